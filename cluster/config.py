@@ -1,0 +1,76 @@
+"""Frozen, validated configuration, composed at the top; each component gets only its slice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from cluster.errors import InvalidArgument
+
+EngineRole = Literal["prefill", "decode", "colocated"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load, and where it runs. `path` is a Hugging Face checkpoint dir."""
+
+    path: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    # A context longer than the checkpoint's max_position_embeddings is refused; 0 = use it.
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len < 0:
+            raise InvalidArgument("max_model_len must be >= 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: `num_blocks` blocks of `block_size` tokens each, in every layer."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise InvalidArgument(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks <= 0:
+            raise InvalidArgument(f"num_blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step may take on."""
+
+    max_num_seqs: int = 128  # running sequences at once
+    max_num_batched_tokens: int = 512  # token budget per step; longer prompts are chunked
+    max_waiting: int = 4096  # admission queue bound; beyond it requests are refused
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting <= 0:
+            raise InvalidArgument("scheduler limits must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    role: EngineRole = "colocated"
+    default_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise InvalidArgument(f"role must be prefill, decode or colocated, got {self.role!r}")
+        if self.default_max_tokens <= 0:
+            raise InvalidArgument("default_max_tokens must be positive")

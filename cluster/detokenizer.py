@@ -1,0 +1,56 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded from a sliding window of tokens, so a multi-byte character split across tokens
+is emitted only once it is whole (a window ending in U+FFFD waits for more tokens). Stop strings
+are matched on the text so far; the tail that could still be the start of a stop string is held
+back, and a matched stop string is cut off and never returned.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tokens = list(prompt_token_ids[-6:])  # context for spacing rules, never emitted
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # all output text decoded so far (before any stop cut)
+        self.emitted = 0  # chars of `text` already handed out
+
+    def add(self, token_id: int) -> bool:
+        """Add one output token. Returns True if a stop string has now appeared."""
+        self.tokens.append(token_id)
+        prefix = self.tokenizer.decode(
+            self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True
+        )
+        full = self.tokenizer.decode(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        if not self.stop:
+            return False
+        start = max(0, self.emitted - self.hold - 1)
+        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def take(self, final: bool) -> str:
+        """Text ready to emit: all of it when the sequence is done, else all but the held tail."""
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out

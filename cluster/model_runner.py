@@ -1,0 +1,91 @@
+"""Run one scheduled batch through the model and sample the sequences that reached their end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.attention import AttentionMetadata, build_group
+from cluster.kv_cache import KVCache
+from cluster.model import CausalLM
+from cluster.sampler import Sampler
+from cluster.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] flat index of each sampling sequence's last token
+    samplers: list[ScheduledSeq]  # the S sequences that sample, in row order
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.layout.block_size
+        self.sliding_window = model.spec.sliding_window
+        self.sampler = Sampler()
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        for s in scheduled:
+            starts.append(len(ids))
+            span = range(s.start, s.start + s.num_tokens)
+            ids.extend(s.seq.token_ids[s.start : s.start + s.num_tokens])
+            positions.extend(span)
+            table, bs = s.seq.block_table, self.block_size
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+        groups = []
+        for decode in (True, False):
+            members = [i for i, s in enumerate(scheduled) if (s.num_tokens == 1) == decode]
+            if members:
+                groups.append(
+                    build_group(
+                        [starts[i] for i in members],
+                        [scheduled[i].num_tokens for i in members],
+                        [scheduled[i].start for i in members],
+                        [scheduled[i].seq.block_table for i in members],
+                        self.block_size,
+                        self.sliding_window,
+                        self.device,
+                    )
+                )
+        samplers = [s for s in scheduled if s.samples]
+        rows = [starts[i] + s.num_tokens - 1 for i, s in enumerate(scheduled) if s.samples]
+
+        def tensor(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+        return ForwardBatch(
+            input_ids=tensor(ids),
+            positions=tensor(positions),
+            attention=AttentionMetadata(slot_mapping=tensor(slots), groups=tuple(groups)),
+            sample_rows=tensor(rows),
+            samplers=samplers,
+        )
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        """Compute KV for every scheduled token; return one sampled token per sampling seq."""
+        batch = self.prepare(scheduled)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_cache.layers(), batch.attention
+        )
+        if not batch.samplers:
+            return []
+        logits = self.model.logits(hidden[batch.sample_rows])  # [S, vocab]
+        seqs = [s.seq for s in batch.samplers]
+        return self.sampler(
+            logits,
+            [q.params for q in seqs],
+            [q.seed for q in seqs],
+            [q.num_output_tokens for q in seqs],
+        )

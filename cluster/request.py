@@ -1,0 +1,59 @@
+"""What a caller hands the engine, and what the engine hands back per step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cluster.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "prefilled"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation. `prefill_only` makes the engine stop after the first sampled token and
+    keep the prompt's KV blocks pinned for export (the prefill pool's mode of work)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prefill_only: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """The tokens one request gained in one engine step. `text` is the new, stop-string-safe
+    text; `finish_reason` is set on the request's last output only ("prefilled" means the KV is
+    held for export and decoding continues elsewhere)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A whole generation, gathered from its step outputs (used by `Engine.generate`)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+
+    def add(self, out: StepOutput) -> None:
+        self.token_ids.extend(out.token_ids)
+        self.text += out.text
+        self.num_prompt_tokens = out.num_prompt_tokens
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason

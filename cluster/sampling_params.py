@@ -1,0 +1,49 @@
+"""Per-request sampling settings, validated once when the request is admitted."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cluster.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """`temperature == 0` is greedy. `top_k == 0` turns top-k off. `seed` makes sampling
+    reproducible: the token drawn at output position i depends only on (seed, i) and the logits,
+    never on the batch or the worker that ran the step."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidArgument(
+                f"max_tokens must be a positive integer, got {self.max_tokens}", param="max_tokens"
+            )
+        if math.isnan(self.temperature) or math.isinf(self.temperature) or self.temperature < 0:
+            raise InvalidArgument(
+                f"temperature must be a finite number >= 0, got {self.temperature}",
+                param="temperature",
+            )
+        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}", param="top_k")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidArgument(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop strings must be non-empty", param="stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument("stop_token_ids must be >= 0", param="stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,81 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVLayout(_message.Message):
+    __slots__ = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class KVHandle(_message.Message):
+    __slots__ = ("request_id", "num_tokens", "endpoint", "transport", "block_ids", "block_size", "layout", "lease_expiry_unix", "capability_token", "first_token_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    endpoint: str
+    transport: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    layout: KVLayout
+    lease_expiry_unix: float
+    capability_token: bytes
+    first_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expiry_unix: _Optional[float] = ..., capability_token: _Optional[bytes] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+
+class FetchKVRequest(_message.Message):
+    __slots__ = ("handle", "receiver_layout", "max_chunk_bytes")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    handle: KVHandle
+    receiver_layout: KVLayout
+    max_chunk_bytes: int
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: bytes
+    data: bytes
+    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseKVRequest(_message.Message):
+    __slots__ = ("request_id", "capability_token", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    capability_token: bytes
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., capability_token: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseKVResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

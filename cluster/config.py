@@ -10,6 +10,7 @@ import torch
 from cluster.errors import InvalidArgument
 
 EngineRole = Literal["prefill", "decode", "colocated"]
+TransportName = Literal["grpc", "gloo", "nccl"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,6 +60,33 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting <= 0:
             raise InvalidArgument("scheduler limits must be positive")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How KV moves from a prefill worker to a decode worker.
+
+    `secret` keys the HMAC capability tokens; every worker of one cluster must share it (the app
+    builder generates one when it is empty). `host` is the address the prefill worker's KV
+    server binds and advertises ("auto" = this node's Ray address); port 0 picks a free port."""
+
+    transport: TransportName = "grpc"
+    host: str = "127.0.0.1"
+    port: int = 0
+    lease_seconds: float = 30.0
+    max_chunk_bytes: int = 1 << 20
+    fetch_timeout_seconds: float = 30.0
+    secret: str = ""
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("grpc", "gloo", "nccl"):
+            raise InvalidArgument(f"transport must be grpc, gloo or nccl, got {self.transport!r}")
+        if self.lease_seconds <= 0 or self.fetch_timeout_seconds <= 0:
+            raise InvalidArgument("lease_seconds and fetch_timeout_seconds must be positive")
+        if not 4096 <= self.max_chunk_bytes <= 3 << 20:
+            raise InvalidArgument("max_chunk_bytes must be in [4 KiB, 3 MiB] (gRPC limit is 4 MiB)")
+        if not 0 <= self.port < 65536:
+            raise InvalidArgument(f"port out of range: {self.port}")
 
 
 @dataclass(frozen=True)

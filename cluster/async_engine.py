@@ -1,0 +1,149 @@
+"""Drive an `Engine` from asyncio: one engine thread, many concurrent request streams.
+
+The engine is single-threaded, so everything that touches it (adding requests, aborting,
+importing or exporting KV, reading stats) is sent to the engine thread as a command and runs
+between two steps. Step outputs are handed back to the event loop, one queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from cluster.engine import Engine
+from cluster.request import Request, StepOutput
+
+T = TypeVar("T")
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.step_count = 0
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        self.start()
+        fut: asyncio.Future = self._loop.create_future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return await fut
+
+    async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
+        """Queue `request` and yield its step outputs until it finishes. Closing the iterator
+        early (client gone, task cancelled) aborts the request and frees its blocks."""
+        return self._stream(request.request_id, lambda e: e.add_request(request))
+
+    async def import_and_generate(
+        self, request: Request, kv, first_token: int
+    ) -> AsyncIterator[StepOutput]:
+        """Import prompt KV computed elsewhere, then yield the decode outputs."""
+        return self._stream(request.request_id, lambda e: e.import_kv(request, kv, first_token))
+
+    async def _stream(self, request_id: str, admit: Callable[[Engine], Any]):
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        try:
+            await self.call(admit)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return self._drain(request_id, q)
+
+    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[StepOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                await asyncio.shield(self.call(lambda e: e.abort(request_id)))
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._run_commands()
+            if not self.engine.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # a bug in the step: fail every stream, keep serving
+                self._fail_all(exc)
+                continue
+            self.step_count += 1
+            if outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:
+                self._loop.call_soon_threadsafe(_settle, fut, None, exc)
+            else:
+                self._loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        ids = list(self.engine.seqs)
+        for rid in ids:
+            self.engine.abort(rid)
+        self._loop.call_soon_threadsafe(self._fail_streams, exc)
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        for q in self._streams.values():
+            q.put_nowait(exc)
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

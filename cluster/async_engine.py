@@ -40,6 +40,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     async def stop(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -58,13 +61,13 @@ class AsyncEngine:
     async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
         """Queue `request` and yield its step outputs until it finishes. Closing the iterator
         early (client gone, task cancelled) aborts the request and frees its blocks."""
-        return self._stream(request.request_id, lambda e: e.add_request(request))
+        return await self._stream(request.request_id, lambda e: e.add_request(request))
 
     async def import_and_generate(
         self, request: Request, kv, first_token: int
     ) -> AsyncIterator[StepOutput]:
         """Import prompt KV computed elsewhere, then yield the decode outputs."""
-        return self._stream(request.request_id, lambda e: e.import_kv(request, kv, first_token))
+        return await self._stream(request.request_id, lambda e: e.import_kv(request, kv, first_token))
 
     async def _stream(self, request_id: str, admit: Callable[[Engine], Any]):
         q: asyncio.Queue = asyncio.Queue()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,13 +43,13 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_model(config.model)
-        spec = self.loaded.spec
-        self.tokenizer = self.loaded.tokenizer
+        self.info = self.loaded.info
+        spec = self.info.spec
+        self.tokenizer = self.info.tokenizer
         self.device = torch.device(config.model.device)
-        limit = config.model.max_model_len or spec.max_position_embeddings
-        self.max_model_len = min(limit, spec.max_position_embeddings)
+        self.max_model_len = self.info.max_model_len
         self.layout = KVLayout(
-            model_id=self.loaded.model_id,
+            model_id=self.info.model_id,
             dtype=config.model.dtype,
             num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads,
@@ -94,8 +94,11 @@ class Engine:
         self.kv_cache.write(seq.block_table, kv.k, kv.v)
         seq.num_computed_tokens = kv.num_tokens
         self._admit(seq)
-        self._append(seq, first_token)  # may finish at once (e.g. max_tokens == 1)
-        if seq.finish_reason is None:
+        # The prefill side already streamed this token and its text; only a finish is news.
+        out = self._append(seq, first_token)
+        if out.finished:
+            self._pending.append(replace(out, token_ids=()))
+        else:
             self.scheduler.add_running(seq)
 
     def _new_sequence(self, request: Request) -> Sequence:
@@ -110,7 +113,7 @@ class Engine:
                 "including at least one generated token",
                 param="prompt",
             )
-        vocab = self.loaded.spec.vocab_size
+        vocab = self.info.spec.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgument(
@@ -126,7 +129,7 @@ class Engine:
         return Sequence(
             request,
             seed if seed is not None else random.getrandbits(63),
-            self.loaded.eos_token_ids,
+            self.info.eos_token_ids,
         )
 
     def _admit(self, seq: Sequence) -> None:
@@ -158,9 +161,14 @@ class Engine:
         detok = self.detok.get(seq.request_id)
         if detok is not None and detok.add(token) and reason in (None, "prefilled"):
             reason = "stop"
-        text = detok.take(final=reason is not None) if detok is not None else ""
+        # Text held back for a possible stop string stays held across the prefill->decode hop.
+        final = reason not in (None, "prefilled")
+        text = detok.take(final=final) if detok is not None else ""
         if reason is not None:
             self._finish(seq, reason)
+        queued = 0.0
+        if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
+            queued = seq.first_scheduled_time - seq.request.arrival_time
         return StepOutput(
             request_id=seq.request_id,
             token_ids=(token,),
@@ -168,6 +176,7 @@ class Engine:
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            queue_seconds=queued,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -19,6 +19,14 @@ class PdServeError(Exception):
         self.message = message
         self.param = param
 
+    def __reduce__(self):
+        # Errors cross Ray process boundaries; keep `param` when they are pickled.
+        return (_rebuild, (type(self), self.message, self.param))
+
+
+def _rebuild(cls: type[PdServeError], message: str, param: str | None) -> PdServeError:
+    return cls(message, param=param)
+
 
 class InvalidArgument(PdServeError):
     grpc_code = "INVALID_ARGUMENT"

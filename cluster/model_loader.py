@@ -22,15 +22,6 @@ from cluster.model import SUPPORTED_ARCHITECTURES, ArchSpec, CausalLM
 from cluster.rope import RotaryEmbedding
 
 
-@dataclass(frozen=True)
-class LoadedModel:
-    model: CausalLM
-    tokenizer: PreTrainedTokenizerBase | None
-    spec: ArchSpec
-    model_id: str  # checkpoint name plus a digest of its config and weight headers
-    eos_token_ids: frozenset[int]
-
-
 def arch_spec(hf_config) -> ArchSpec:
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = archs[0] if archs else ""
@@ -67,12 +58,36 @@ def arch_spec(hf_config) -> ArchSpec:
     )
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a checkpoint is, without its weights: enough for a router to validate requests."""
+
+    spec: ArchSpec
+    tokenizer: PreTrainedTokenizerBase | None
+    model_id: str  # checkpoint name plus a digest of its config and weight headers
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+
+def describe_model(config: ModelConfig) -> ModelInfo:
     path = Path(config.path)
     if not (path / "config.json").is_file():
         raise InvalidArgument(f"{path} is not a Hugging Face checkpoint (no config.json)")
     hf_config = AutoConfig.from_pretrained(path)
     spec = arch_spec(hf_config)
+    limit = config.max_model_len or spec.max_position_embeddings
+    return ModelInfo(
+        spec=spec,
+        tokenizer=_load_tokenizer(path),
+        model_id=f"{path.name}@{_digest(path, _weight_files(path))}",
+        eos_token_ids=_eos_ids(hf_config, path),
+        max_model_len=min(limit, spec.max_position_embeddings),
+    )
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    info = describe_model(config)
+    spec = info.spec
     device = torch.device(config.device)
     with torch.device("meta"):
         model = CausalLM(spec)
@@ -80,16 +95,14 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # to_empty left the rope tables uninitialised; they are computed, not loaded.
     rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)
     model.rotary = rotary.to(device)
-    files = _weight_files(path)
-    _load_weights(model, files, spec, device)
-    model = model.to(config.torch_dtype).eval()
-    return LoadedModel(
-        model=model,
-        tokenizer=_load_tokenizer(path),
-        spec=spec,
-        model_id=f"{path.name}@{_digest(path, files)}",
-        eos_token_ids=_eos_ids(hf_config, path),
-    )
+    _load_weights(model, _weight_files(Path(config.path)), spec, device)
+    return LoadedModel(model=model.to(config.torch_dtype).eval(), info=info)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CausalLM
+    info: ModelInfo
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -35,6 +35,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    queue_seconds: float = 0.0  # on a sequence's first sampled output: arrival to first step
 
     @property
     def finished(self) -> bool:

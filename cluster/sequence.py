@@ -35,6 +35,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # monotonic; ends the queueing phase
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,73 @@
+"""Build the Serve application: router -> prefill pool -> decode pool (or one colocated pool).
+
+`build_app(args)` is a Serve application builder, so the same app comes from Python, from a
+`serve run`/`serve deploy` config file (`import_path: cluster.app:build_app`) and from the CLI.
+The role classes are named by import path, like Serve config files name them, so `cluster`
+stays free of imports of the role packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.app_config import AppConfig, PoolConfig
+from cluster.config import ModelConfig
+
+ROLE_CLASSES = {
+    "Router": "router.router:Router",
+    "Prefill": "prefill_worker.prefill_worker:PrefillWorker",
+    "Decode": "decode_worker.decode_worker:DecodeWorker",
+    "Colocated": "decode_worker.colocated_worker:ColocatedWorker",
+}
+GRPC_SERVICER = "cluster.pb.pdserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
+    """Serve builder. `args` is an `AppConfig` or its dict form (`AppConfig.to_dict()`);
+    without a model path the embedded tiny model is used."""
+    config = args if isinstance(args, AppConfig) else _config_from_args(dict(args or {}))
+    config = config.with_secret()
+    router = _deployment("Router", config.router)
+    if config.mode == "colocated":
+        colocated = _deployment("Colocated", config.decode).bind(config)
+        return router.bind(config, None, None, colocated)
+    prefill = _deployment("Prefill", config.prefill).bind(config)
+    decode = _deployment("Decode", config.decode).bind(config)
+    return router.bind(config, prefill, decode, None)
+
+
+def _config_from_args(args: dict[str, Any]) -> AppConfig:
+    model = dict(args.pop("model", None) or {})
+    if not model.get("path"):
+        from cluster.make_model import default_model_dir
+
+        model["path"] = str(default_model_dir())
+    args["model"] = model
+    return AppConfig.from_dict(args)
+
+
+def _deployment(name: str, pool: PoolConfig):
+    module, _, attr = ROLE_CLASSES[name].partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    return serve.deployment(
+        cls,
+        name=name,
+        num_replicas=pool.replicas,
+        ray_actor_options=pool.actor_options(),
+        max_ongoing_requests=pool.max_ongoing_requests,
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=30,
+    )
+
+
+def default_config(model_path: str | None = None, **overrides: Any) -> AppConfig:
+    """An `AppConfig` for `model_path` (default: the embedded tiny model)."""
+    if model_path is None:
+        from cluster.make_model import default_model_dir
+
+        model_path = str(default_model_dir())
+    return AppConfig(model=ModelConfig(path=model_path), **overrides)

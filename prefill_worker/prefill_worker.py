@@ -1,0 +1,92 @@
+"""The prefill pool's replica: computes prompts, returns the first token and a KV lease.
+
+Requests that reach a replica together are prefilled together: the engine's scheduler packs
+every waiting prompt into the same steps under its token budget (long prompts are chunked).
+Each finished prompt's KV blocks stay pinned under a lease until a decode worker fetches them
+through this replica's KV server, the router aborts, or the lease expires.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import replace
+
+import ray
+
+from cluster.app_config import AppConfig
+from cluster.capability import Capability
+from cluster.kv_handle import KVHandle
+from cluster.pool_messages import PrefillResult
+from cluster.replica import EngineReplica
+from cluster.request import Request
+from prefill_worker.kv_server import KVServer
+from prefill_worker.lease_keeper import LeaseKeeper
+
+
+class PrefillWorker(EngineReplica):
+    async def __init__(self, config: AppConfig) -> None:
+        self._start(config, "prefill")
+        transfer = config.transfer
+        self.leases = LeaseKeeper(
+            self.engine, transfer.lease_seconds, Capability(bytes.fromhex(transfer.secret))
+        )
+        self.leases.start()
+        self.server = KVServer(
+            self.engine,
+            self.leases,
+            self.layout,
+            _bind_host(transfer.host),
+            transfer.port,
+            transfer.max_chunk_bytes,
+        )
+        self.endpoint = await self.server.start()
+
+    async def prefill(self, request: Request) -> PrefillResult:
+        """Prefill one prompt. Raises InvalidArgument / ResourceExhausted from admission."""
+        received = time.monotonic()
+        request = replace(request, prefill_only=True, arrival_time=received)
+        first = None
+        async for out in await self.engine.generate(request):
+            first = out
+        assert first is not None and first.finished
+        handle = None
+        if first.finish_reason == "prefilled":
+            block_ids, num_tokens, expiry, token = await self.leases.grant(request.request_id)
+            handle = KVHandle(
+                request_id=request.request_id,
+                num_tokens=num_tokens,
+                endpoint=self.endpoint,
+                transport=self.config.transfer.transport,
+                block_ids=tuple(block_ids),
+                block_size=self.layout.block_size,
+                layout=self.layout,
+                lease_expiry_unix=expiry,
+                capability_token=token,
+                first_token_id=first.token_ids[0],
+            )
+        return PrefillResult(
+            first=first,
+            handle=handle,
+            replica_id=self.replica_id,
+            queue_seconds=first.queue_seconds,
+            prefill_seconds=time.monotonic() - received - first.queue_seconds,
+        )
+
+    async def release(self, request_id: str, reason: str = "aborted") -> bool:
+        """Free a lease now (the router gave up on the request)."""
+        return await self.leases.release(request_id, reason)
+
+    async def __del__(self) -> None:
+        await self.server.stop(1.0)
+        await self.leases.stop()
+        await self._shutdown()
+
+
+def _bind_host(host: str) -> str:
+    if host != "auto":
+        return host
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return socket.gethostbyname(socket.gethostname())

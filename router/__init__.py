@@ -1,0 +1,1 @@
+"""The ingress: gRPC and OpenAI HTTP APIs, validation, and the two-hop orchestration."""

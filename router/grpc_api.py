@@ -1,0 +1,100 @@
+"""Conversions between the public gRPC contract (`pdserve.v1`) and the router's own types."""
+
+from __future__ import annotations
+
+from cluster.errors import InvalidArgument, NotFound
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pool_messages import ReplicaStats
+from cluster.request import Request
+from router.generation_chunk import GenerationChunk
+from router.orchestrator import Orchestrator
+
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+def request_from_proto(orch: Orchestrator, req: pb.GenerateRequest) -> Request:
+    """Validate a GenerateRequest (unset fields take their documented defaults)."""
+    if req.model and req.model not in orch.model_names():
+        raise NotFound(f"model {req.model!r} is not served here", param="model")
+    s = req.sampling
+    if s.HasField("max_tokens") and s.max_tokens == 0:
+        raise InvalidArgument("sampling.max_tokens must be > 0 when set", param="max_tokens")
+    params = orch.sampling_params(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+    return orch.build_request(
+        req.prompt or None, list(req.prompt_token_ids) or None, params, req.request_id or None
+    )
+
+
+def chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=chunk.request_id, token_ids=list(chunk.token_ids), text=chunk.text
+    )
+    if chunk.finish_reason is not None:
+        msg.finish_reason = _FINISH[chunk.finish_reason]
+    if chunk.usage is not None:
+        u = chunk.usage
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
+            )
+        )
+    if chunk.timing is not None:
+        t = chunk.timing
+        msg.timing.CopyFrom(
+            pb.Timing(
+                queue_seconds=t.queue_seconds,
+                prefill_seconds=t.prefill_seconds,
+                kv_transfer_seconds=t.kv_transfer_seconds,
+                time_to_first_token_seconds=t.time_to_first_token_seconds,
+                decode_seconds=t.decode_seconds,
+                total_seconds=t.total_seconds,
+                prefill_replica=t.prefill_replica,
+                decode_replica=t.decode_replica,
+            )
+        )
+    return msg
+
+
+def model_info_to_proto(orch: Orchestrator) -> pb.ModelInfo:
+    cfg = orch.config
+    return pb.ModelInfo(
+        model_id=orch.info.model_id,
+        max_context_length=orch.info.max_model_len,
+        vocab_size=orch.info.spec.vocab_size,
+        dtype=cfg.model.dtype,
+        block_size=cfg.prefill.cache.block_size,
+        mode=cfg.mode,
+    )
+
+
+def stats_to_proto(stats: list[ReplicaStats]) -> pb.ClusterStats:
+    return pb.ClusterStats(
+        replicas=[
+            pb.ReplicaStats(
+                pool=s.pool,
+                replica_id=s.replica_id,
+                kv_blocks_total=s.kv_blocks_total,
+                kv_blocks_used=s.kv_blocks_used,
+                kv_blocks_leased=s.kv_blocks_leased,
+                running=s.running,
+                waiting=s.waiting,
+                queued_prompt_tokens=s.queued_prompt_tokens,
+            )
+            for s in stats
+        ]
+    )

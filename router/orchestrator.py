@@ -1,0 +1,240 @@
+"""The two hops of a request, in order: validate, prefill, first token, decode, relay.
+
+Hop by hop:
+  1. `build_request`: tokenize and validate; bad input is refused before any worker is touched.
+  2. `_prefill`: the prefill pool computes the prompt and returns the first token and a KVHandle.
+  3. the first token goes to the client at once (time to first token).
+  4. `_decode`: the decode pool pulls the KV named in the handle and streams the rest.
+  5. the last chunk carries finish reason, usage and the phase timings.
+In colocated mode one pool does 2-4 in one engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+from cluster.app_config import AppConfig
+from cluster.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from cluster.grpc_kv_client import GrpcKVClient
+from cluster.model_loader import ModelInfo
+from cluster.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
+from cluster.request import Request
+from cluster.sampling_params import SamplingParams
+from cluster.stats_registry import registry
+from router.generation_chunk import GenerationChunk, Timing, Usage
+
+
+class Orchestrator:
+    def __init__(self, config: AppConfig, info: ModelInfo, prefill, decode, colocated) -> None:
+        self.config = config
+        self.info = info
+        self.tokenizer = info.tokenizer
+        self.prefill = prefill
+        self.decode = decode
+        self.colocated = colocated
+        self.kv_client = GrpcKVClient(
+            config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds
+        )
+        self.registry = registry(config.name)
+
+    def model_names(self) -> tuple[str, str]:
+        """Names a request may use for the served model: the checkpoint's name or its id."""
+        return (Path(self.config.model.path).name, self.info.model_id)
+
+    # -- hop 1: validate -------------------------------------------------------------------
+
+    def sampling_params(self, max_tokens: int | None = None, **fields) -> SamplingParams:
+        """Fill server defaults; an unseeded random request gets a seed here, so a retried
+        hop reproduces the tokens the client already has."""
+        fields = {k: v for k, v in fields.items() if v is not None}
+        params = SamplingParams(
+            max_tokens=self.config.default_max_tokens if max_tokens is None else max_tokens,
+            **fields,
+        )
+        if params.seed is None and not params.greedy:
+            params = replace(params, seed=random.getrandbits(63))
+        return params
+
+    def build_request(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> Request:
+        if prompt and prompt_token_ids:
+            raise InvalidArgument("give either prompt or prompt_token_ids, not both", "prompt")
+        if prompt_token_ids:
+            ids = [int(t) for t in prompt_token_ids]
+        elif prompt:
+            if self.tokenizer is None:
+                raise InvalidArgument("this model has no tokenizer: send prompt_token_ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            raise InvalidArgument("prompt is empty", param="prompt")
+        vocab = self.info.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(
+                f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="prompt_token_ids"
+            )
+        limit = self.info.max_model_len
+        if len(ids) >= limit:
+            raise InvalidArgument(
+                f"prompt has {len(ids)} tokens; the context limit is {limit} including at "
+                "least one generated token",
+                param="prompt",
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop strings need a tokenizer; this model has none", "stop")
+        return Request(request_id or uuid.uuid4().hex, tuple(ids), params)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Render chat messages with the tokenizer's chat template, ready to generate."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidArgument("this model has no chat template", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # a template error is the caller's malformed messages
+            raise InvalidArgument(f"cannot render messages: {e}", param="messages") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- hops 2-5 --------------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's chunks. Raises a PdServeError before the first chunk for
+        refused requests; DeadlineExceeded once `request_timeout_seconds` has passed."""
+        start = time.monotonic()
+        deadline = start + self.config.request_timeout_seconds
+        steps = (
+            self._colocated(request)
+            if self.config.mode == "colocated"
+            else self._disaggregated(request)
+        )
+        tally = _Tally(request, start)
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceeded(
+                        f"request took longer than {self.config.request_timeout_seconds}s"
+                    )
+                try:
+                    chunk = await asyncio.wait_for(anext(steps), remaining)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        f"request took longer than {self.config.request_timeout_seconds}s"
+                    ) from None
+                yield tally.add(chunk)
+        finally:
+            await steps.aclose()
+
+    async def _colocated(self, request: Request) -> AsyncIterator[WorkerChunk]:
+        stream = self.colocated.options(stream=True).generate.remote(request)
+        async for chunk in stream:
+            yield chunk
+
+    async def _disaggregated(self, request: Request) -> AsyncIterator[WorkerChunk]:
+        sent_first = False
+        for attempt in range(self.config.max_retries + 1):
+            result = await self._prefill(request)
+            if not sent_first:
+                sent_first = True
+                first = result.first
+                if result.handle is not None:  # "prefilled": the request goes on in decode
+                    first = replace(first, finish_reason=None)
+                yield WorkerChunk(
+                    first,
+                    result.replica_id,
+                    queue_seconds=result.queue_seconds,
+                    prefill_seconds=result.prefill_seconds,
+                )
+            if result.handle is None:
+                return
+            try:
+                async for chunk in self._decode(request, result):
+                    yield chunk
+                return
+            except Unavailable:
+                # The lease expired or its replica went away before the fetch: recompute.
+                if attempt == self.config.max_retries:
+                    raise
+
+    async def _prefill(self, request: Request) -> PrefillResult:
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                return await self.prefill.prefill.remote(request)
+            except Unavailable:
+                if attempt == self.config.max_retries:
+                    raise
+                await asyncio.sleep(0.05 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def _decode(self, request: Request, result: PrefillResult) -> AsyncIterator[WorkerChunk]:
+        decode_request = DecodeRequest(request, result.handle, result.first.token_ids[0])
+        stream = self.decode.options(stream=True).decode.remote(decode_request)
+        done = False
+        try:
+            async for chunk in stream:
+                done = chunk.output.finished
+                yield chunk
+        finally:
+            if not done:  # failed or abandoned: don't leave the lease to expire
+                await self.kv_client.release(result.handle, "aborted")
+
+    async def cluster_stats(self) -> list[ReplicaStats]:
+        return await self.registry.list.remote()
+
+
+class _Tally:
+    """Turns worker chunks into client chunks, accounting phases as they pass."""
+
+    def __init__(self, request: Request, start: float) -> None:
+        self.request = request
+        self.start = start
+        self.completion_tokens = 0
+        self.first_token_at: float | None = None
+        self.queue = self.prefill = self.transfer = 0.0
+        self.prefill_replica = self.decode_replica = ""
+
+    def add(self, chunk: WorkerChunk) -> GenerationChunk:
+        now = time.monotonic()
+        out = chunk.output
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.prefill_replica = chunk.replica_id
+        else:
+            self.decode_replica = chunk.replica_id
+        self.queue += chunk.queue_seconds
+        self.prefill += chunk.prefill_seconds
+        self.transfer += chunk.kv_transfer_seconds
+        self.completion_tokens += len(out.token_ids)
+        if out.finish_reason is None:
+            return GenerationChunk(self.request.request_id, out.token_ids, out.text)
+        return GenerationChunk(
+            self.request.request_id,
+            out.token_ids,
+            out.text,
+            finish_reason=out.finish_reason,
+            usage=Usage(len(self.request.prompt_token_ids), self.completion_tokens),
+            timing=Timing(
+                queue_seconds=self.queue,
+                prefill_seconds=self.prefill,
+                kv_transfer_seconds=self.transfer,
+                time_to_first_token_seconds=self.first_token_at - self.start,
+                decode_seconds=now - self.first_token_at,
+                total_seconds=now - self.start,
+                prefill_replica=self.prefill_replica,
+                decode_replica=self.decode_replica or self.prefill_replica,
+            ),
+        )

@@ -1,0 +1,67 @@
+"""The ingress deployment: the gRPC API (through Serve's gRPC proxy) and the OpenAI-compatible
+HTTP API (through Serve's HTTP proxy), both in front of one `Orchestrator`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from fastapi import FastAPI
+from ray import serve
+
+from cluster.app_config import AppConfig
+from cluster.errors import PdServeError
+from cluster.model_loader import describe_model
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from router.grpc_api import chunk_to_proto, model_info_to_proto, request_from_proto, stats_to_proto
+from router.openai_api import install_error_handlers, openai_routes
+from router.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
+
+
+@serve.ingress()
+class Router:
+    async def __init__(self, config: AppConfig, prefill, decode, colocated) -> None:
+        self.orch = Orchestrator(config, describe_model(config.model), prefill, decode, colocated)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = FastAPI(title="pdserve", version="1")
+        app.include_router(openai_routes(lambda: self.orch))
+        install_error_handlers(app)
+        return app
+
+    # -- gRPC: pdserve.v1.Generation -------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.GenerateRequest, grpc_context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            req = request_from_proto(self.orch, request)
+            async for chunk in self.orch.generate(req):
+                yield chunk_to_proto(chunk)
+        except Exception as e:
+            _fail(grpc_context, e)
+            raise
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context) -> pb.ModelInfo:
+        return model_info_to_proto(self.orch)
+
+    async def GetStats(self, request: pb.GetStatsRequest, grpc_context) -> pb.ClusterStats:
+        try:
+            return stats_to_proto(await self.orch.cluster_stats())
+        except Exception as e:
+            _fail(grpc_context, e)
+            raise
+
+
+def _fail(grpc_context, e: BaseException) -> None:
+    """Put the documented status code on the call; anything unexpected is INTERNAL."""
+    if isinstance(e, PdServeError):
+        grpc_context.set_code(getattr(grpc.StatusCode, e.grpc_code))
+        grpc_context.set_details(e.message)
+    else:
+        log.exception("internal error")
+        grpc_context.set_code(grpc.StatusCode.INTERNAL)
+        grpc_context.set_details(f"internal error: {type(e).__name__}")

@@ -48,7 +48,29 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default="float32")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="start (or join) a Ray cluster and deploy pdserve")
+    from cluster.launcher import add_serve_arguments
+
+    add_serve_arguments(srv)
+    srv.set_defaults(func=_serve)
+
+    st = sub.add_parser("status", help="pools, replicas and KV usage of a running cluster")
+    st.add_argument("--target", default="127.0.0.1:9000")
+    st.set_defaults(func=lambda a: _status(a.target))
     return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.launcher import serve_main
+
+    return serve_main(args)
+
+
+def _status(target: str) -> int:
+    from cluster.grpc_client import print_status
+
+    return print_status(target)
 
 
 def _make_model(args: argparse.Namespace) -> int:

@@ -1,0 +1,95 @@
+"""A small client for the public gRPC API, used by `pdserve generate` and `pdserve status`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+_FINISH[pb.FINISH_REASON_ABORT] = "abort"
+
+
+def connect(target: str) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(grpc.insecure_channel(target))
+
+
+def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> int:
+    sampling = pb.SamplingParams(
+        top_k=args.top_k,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    request = pb.GenerateRequest(sampling=sampling)
+    if token_ids is not None:
+        request.prompt_token_ids.extend(token_ids)
+    else:
+        request.prompt = args.prompt
+    ids: list[int] = []
+    text = []
+    last = None
+    try:
+        for msg in connect(args.target).Generate(request):
+            ids.extend(msg.token_ids)
+            text.append(msg.text)
+            last = msg
+            if not args.json:
+                print(msg.text, end="", flush=True)
+    except grpc.RpcError as e:
+        print(f"\nerror ({e.code().name}): {e.details()}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "request_id": last.request_id,
+                    "token_ids": ids,
+                    "text": "".join(text),
+                    "finish_reason": _FINISH.get(last.finish_reason, ""),
+                    "usage": MessageToDict(last.usage, preserving_proto_field_name=True),
+                    "timing": MessageToDict(last.timing, preserving_proto_field_name=True),
+                }
+            )
+        )
+    else:
+        print()
+    return 0
+
+
+def print_status(target: str) -> int:
+    stub = connect(target)
+    try:
+        info = stub.GetModelInfo(pb.GetModelInfoRequest())
+        stats = stub.GetStats(pb.GetStatsRequest())
+    except grpc.RpcError as e:
+        print(f"error ({e.code().name}): {e.details()}", file=sys.stderr)
+        return 2
+    print(f"model {info.model_id}  mode {info.mode}  block_size {info.block_size}")
+    header = ("pool", "replica", "kv total", "kv used", "kv leased", "running", "waiting", "queued")
+    rows = [
+        (
+            r.pool,
+            r.replica_id,
+            r.kv_blocks_total,
+            r.kv_blocks_used,
+            r.kv_blocks_leased,
+            r.running,
+            r.waiting,
+            r.queued_prompt_tokens,
+        )
+        for r in stats.replicas
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    for row in (header, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+    return 0

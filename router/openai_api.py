@@ -1,0 +1,400 @@
+"""The OpenAI-compatible HTTP API: routes over an `Orchestrator`, and OpenAI-shaped errors.
+
+Independent of Ray: the Serve ingress mounts `openai_routes(get_orchestrator)` and calls
+`install_error_handlers(app)`; tests do the same with an orchestrator double.
+
+A request's path here: validate the body → resolve the model → `sampling_params` and
+`build_request` (hop 1) → `generate` and await its first chunk → answer. Awaiting the first chunk
+before answering means a refused request (429, 503, ...) gets its own status, not a 200 stream.
+After that, an error in a stream is sent as a last `data: {"error": ...}` event before
+`data: [DONE]`.
+
+Finish reasons: "stop" and "length" pass through. OpenAI has no "abort" (the server gave up on
+the request, e.g. a replica shutting down): it is reported as a 503 `service_unavailable`
+error, retryable, rather than as a truncated answer that claims to be complete.
+
+Whoever opens the orchestrator's generator closes it, on every exit: finished, failed, or the
+client went away mid-stream. Closing it aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from cluster.errors import NotFound, PdServeError, Unavailable
+from router.generation_chunk import GenerationChunk
+from router.openai_protocol import (
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
+
+if TYPE_CHECKING:
+    from cluster.request import Request as GenerationRequest
+    from router.orchestrator import Orchestrator
+
+logger = logging.getLogger(__name__)
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+def openai_routes(get_orchestrator: Callable[[], Orchestrator]) -> APIRouter:
+    """`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`.
+    `get_orchestrator` is called per request and returns the live orchestrator."""
+    router = APIRouter()
+    started = int(time.time())
+
+    @router.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def models() -> Response:
+        orch = get_orchestrator()
+        card = ModelCard(
+            id=orch.model_names()[0], created=started, max_model_len=orch.info.max_model_len
+        )
+        return _json(ModelList(data=[card]))
+
+    @router.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest) -> Response:
+        orch = get_orchestrator()
+        model = _served_model(orch, body.model)
+        params = orch.sampling_params(**body.sampling_fields(body.max_tokens))
+        prompt, prompt_token_ids = body.prompt_input()
+        request = orch.build_request(prompt, prompt_token_ids, params)
+        view = _CompletionView(f"cmpl-{request.request_id}", int(time.time()), model)
+        return await _answer(orch, request, view, body.stream, body.include_usage)
+
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        orch = get_orchestrator()
+        model = _served_model(orch, body.model)
+        params = orch.sampling_params(**body.sampling_fields(body.token_limit))
+        prompt_token_ids = orch.chat_prompt([m.for_template() for m in body.messages])
+        request = orch.build_request(None, prompt_token_ids, params)
+        view = _ChatView(f"chatcmpl-{request.request_id}", int(time.time()), model)
+        return await _answer(orch, request, view, body.stream, body.include_usage)
+
+    return router
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error as OpenAI does: `{"error": {message, type, param, code}}`. Validation
+    errors are 400 (not FastAPI's 422); anything unexpected is a 500 without its traceback."""
+    app.add_exception_handler(PdServeError, _pdserve_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+
+
+# -- one request -------------------------------------------------------------------------------
+
+
+def _served_model(orch: Orchestrator, requested: str | None) -> str:
+    """The served model's public name; `requested` may be empty, that name, or the model id."""
+    names = orch.model_names()
+    if requested and requested not in names:
+        raise ModelNotFound(
+            f"model {requested!r} is not served here; this server serves {names[0]!r}",
+            param="model",
+        )
+    return names[0]
+
+
+async def _answer(
+    orch: Orchestrator,
+    request: GenerationRequest,
+    view: _CompletionView | _ChatView,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    chunks = orch.generate(request)
+    try:
+        first = await _next(chunks)
+    except StopAsyncIteration:
+        await _close(chunks)
+        raise PdServeError("generation ended before its first chunk") from None
+    except BaseException:
+        await _close(chunks)
+        raise
+    if stream:
+        return _EventStream(_events(chunks, first, view, include_usage))
+    texts, last = [], first
+    try:
+        async for last in _relay(chunks, first):
+            texts.append(last.text)
+    finally:
+        await _close(chunks)
+    return _json(view.response("".join(texts), last))
+
+
+async def _relay(
+    chunks: AsyncIterator[GenerationChunk], first: GenerationChunk
+) -> AsyncIterator[GenerationChunk]:
+    """`first`, then the rest, up to the chunk with the finish reason."""
+    chunk = first
+    while True:
+        if chunk.finish_reason == "abort":
+            raise Unavailable("the server aborted the request before it finished; retry it")
+        yield chunk
+        if chunk.finish_reason is not None:
+            return
+        try:
+            chunk = await _next(chunks)
+        except StopAsyncIteration:
+            raise PdServeError("generation ended without a finish reason") from None
+
+
+async def _next(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+    """`anext(chunks)` in a task of its own, so that a cancellation of this request (the client
+    left) reaches the generation exactly once. Starlette cancels through anyio, which fails every
+    later await in the cancelled scope, and the generation's cleanup must await to abort the
+    request on its workers and free its KV."""
+    step = asyncio.ensure_future(anext(chunks))
+    try:
+        return await asyncio.shield(step)
+    except asyncio.CancelledError:
+        step.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait([step])
+        raise
+
+
+async def _events(
+    chunks: AsyncIterator[GenerationChunk],
+    first: GenerationChunk,
+    view: _CompletionView | _ChatView,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events for a started generation, ending in `data: [DONE]`."""
+    try:
+        try:
+            async for chunk in _relay(chunks, first):
+                for payload in view.chunks(chunk, is_first=chunk is first):
+                    yield _event(payload)
+                if chunk.usage is not None and include_usage:
+                    yield _event(view.usage_chunk(chunk))
+        except PdServeError as e:
+            yield _event(_error_response(e))
+        except Exception:
+            logger.exception("stream of %s failed", view.id)
+            yield _event(_error_response(PdServeError("internal error")))
+        yield "data: [DONE]\n\n"
+    finally:
+        await _close(chunks)
+
+
+async def _close(chunks: AsyncIterator[GenerationChunk]) -> None:
+    # Shielded: this often runs because the request was cancelled (the client left), and the
+    # close must still reach the workers. A no-op if `_next` already ended the generation.
+    with anyio.CancelScope(shield=True):
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that closes its events (and so the generation) however it ends: done,
+    client disconnect reported by cancellation (ASGI < 2.4) or by a failed send (ASGI 2.4)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()  # type: ignore[attr-defined]
+
+
+# -- response shapes ---------------------------------------------------------------------------
+
+
+class _CompletionView:
+    """One completion request's `text_completion` objects."""
+
+    def __init__(self, id: str, created: int, model: str) -> None:
+        self.id, self.created, self.model = id, created, model
+
+    def response(self, text: str, last: GenerationChunk) -> CompletionResponse:
+        return self._object(text, last, usage=UsageInfo.of(last.usage))
+
+    def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[CompletionResponse]:
+        if chunk.text or chunk.finish_reason is not None:
+            yield self._object(chunk.text, chunk)
+
+    def usage_chunk(self, last: GenerationChunk) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=UsageInfo.of(last.usage),
+        )
+
+    def _object(
+        self, text: str, chunk: GenerationChunk, usage: UsageInfo | None = None
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[CompletionChoice(text=text, finish_reason=chunk.finish_reason)],
+            usage=usage,
+            pdserve_timing=chunk.timing,
+        )
+
+
+class _ChatView:
+    """One chat request's `chat.completion` and `chat.completion.chunk` objects."""
+
+    def __init__(self, id: str, created: int, model: str) -> None:
+        self.id, self.created, self.model = id, created, model
+
+    def response(self, text: str, last: GenerationChunk) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                ChatCompletionChoice(
+                    message=AssistantMessage(content=text), finish_reason=last.finish_reason
+                )
+            ],
+            usage=UsageInfo.of(last.usage),
+            pdserve_timing=last.timing,
+        )
+
+    def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[ChatCompletionChunk]:
+        # The first chunk names the role (with whatever content it has); later ones carry text.
+        if is_first or chunk.text or chunk.finish_reason is not None:
+            delta = DeltaMessage(role="assistant" if is_first else None, content=chunk.text)
+            yield ChatCompletionChunk(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=[ChatCompletionChunkChoice(delta=delta, finish_reason=chunk.finish_reason)],
+                pdserve_timing=chunk.timing,
+            )
+
+    def usage_chunk(self, last: GenerationChunk) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=UsageInfo.of(last.usage),
+        )
+
+
+def _json(
+    model: BaseModel, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(model.model_dump_json(), status_code, headers, "application/json")
+
+
+def _event(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def _error_response(e: PdServeError) -> ErrorResponse:
+    code = getattr(e, "code", None) or e.grpc_code.lower()
+    return ErrorResponse(
+        error=ErrorInfo(message=e.message, type=e.error_type, param=e.param, code=code)
+    )
+
+
+async def _pdserve_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, PdServeError)
+    return _json(_error_response(e), e.http_status)
+
+
+async def _validation_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, RequestValidationError)
+    message, param = _describe(e.errors())
+    error = ErrorInfo(
+        message=message, type="invalid_request_error", param=param, code="invalid_argument"
+    )
+    return _json(ErrorResponse(error=error), 400)
+
+
+# Pydantic names the alternatives of a union in an error's location ("prompt", "list[int]", 0).
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|none|list|dict|function-[a-z-]+)(\[.*\])?")
+
+
+def _describe(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """One readable message, and the first offending field, from pydantic's errors; a value that
+    fits none of a union's alternatives is reported once, as the types it may take."""
+    problems: dict[str, list[tuple[str | None, str]]] = {}
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            problems.setdefault("body", []).append((None, f"invalid JSON: {err.get('msg')}"))
+            continue
+        field, member = [], None
+        for part in map(str, err.get("loc", ())[1:]):  # [0] is "body"
+            if _UNION_MEMBER.fullmatch(part):
+                member = part
+                break
+            field.append(part)
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        problems.setdefault(".".join(field) or "body", []).append((member, msg))
+    lines = []
+    for field, found in problems.items():
+        members = list(dict.fromkeys(m for m, _ in found if m is not None))
+        if len(members) > 1:
+            lines.append(f"{field}: expected {' or '.join(members)}")
+        else:
+            lines.extend(f"{field}: {msg}" for msg in dict.fromkeys(msg for _, msg in found))
+    param = next(iter(problems), None)
+    return "; ".join(lines) or "invalid request body", None if param == "body" else param
+
+
+async def _http_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, StarletteHTTPException)
+    if e.status_code == 404:
+        kind = "not_found_error"
+    elif e.status_code < 500:
+        kind = "invalid_request_error"
+    else:
+        kind = "internal_error"
+    error = ErrorInfo(message=str(e.detail), type=kind)
+    return _json(ErrorResponse(error=error), e.status_code, e.headers)
+
+
+async def _unexpected_error(request: Request, e: Exception) -> Response:
+    # Starlette logs the exception with its traceback; the client sees none of it.
+    error = ErrorInfo(message="internal server error", type="internal_error", code="internal")
+    return _json(ErrorResponse(error=error), 500)

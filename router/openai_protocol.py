@@ -1,0 +1,277 @@
+"""The OpenAI-compatible HTTP payloads: request bodies in, response objects and stream chunks out.
+
+Requests ignore fields they do not know (the official client sends some); fields pdserve knows
+but cannot honour (`n > 1`, batched prompts, `logprobs`, `echo`) are refused with a 400 that
+names them, never silently dropped. Responses follow OpenAI's shapes; the extra
+`pdserve_timing` object on the last response or chunk carries the phase timings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from router.generation_chunk import Timing, Usage
+
+
+def _omit_if_none(value: object) -> bool:
+    return value is None
+
+
+def _omitted_when_none(default: Any = None) -> Any:
+    """A field left out of the JSON when None (OpenAI omits, e.g., `delta.role` after the first)."""
+    return Field(default=default, exclude_if=_omit_if_none)
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    """Fields the two endpoints share: model choice, streaming, and sampling."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM-style extras.
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_fields(self, max_tokens: int | None) -> dict[str, Any]:
+        """Keyword arguments for `Orchestrator.sampling_params` (None = server default)."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return dict(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            # vLLM clients send top_k=-1 for "off"; pdserve spells off as 0.
+            top_k=0 if self.top_k == -1 else self.top_k,
+            seed=self.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionRequest(_SamplingBody):
+    """`POST /v1/completions`. One prompt per request: text, token ids, or a list of one."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's default; an explicit null takes the server default.
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ValueError(
+                    f"batched prompts are not supported: got {len(prompt)} prompts, send one "
+                    "prompt per request"
+                )
+            return prompt[0]
+        return prompt
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs is not None:
+            raise ValueError("logprobs are not supported")
+        return logprobs
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    def prompt_input(self) -> tuple[str | None, list[int] | None]:
+        """(text, token ids) for `Orchestrator.build_request`; exactly one is set."""
+        if isinstance(self.prompt, str):
+            return self.prompt, None
+        return None, list(self.prompt)  # type: ignore[arg-type]
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"only text content parts are supported, got {part.type!r}")
+        return content
+
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates expect it: role and plain-text content."""
+        if isinstance(self.content, list):
+            text = "\n".join(part.text or "" for part in self.content)
+        else:
+            text = self.content or ""
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """`POST /v1/chat/completions`. Without a token limit the server default applies."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
+        if logprobs:
+            raise ValueError("logprobs are not supported")
+        return logprobs
+
+    @property
+    def token_limit(self) -> int | None:
+        """`max_completion_tokens` supersedes the deprecated `max_tokens`."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+    @classmethod
+    def of(cls, usage: Usage) -> UsageInfo:
+        return cls(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            total_tokens=usage.prompt_tokens + usage.completion_tokens,
+            prompt_tokens_details={"cached_tokens": usage.cached_prompt_tokens},
+        )
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and also the shape of each streamed completion chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = _omitted_when_none()
+    pdserve_timing: Timing | None = _omitted_when_none()
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    pdserve_timing: Timing | None = _omitted_when_none()
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = _omitted_when_none()
+    content: str | None = _omitted_when_none()
+
+
+class ChatCompletionChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: UsageInfo | None = _omitted_when_none()
+    pdserve_timing: Timing | None = _omitted_when_none()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -14,7 +14,7 @@ class PdServeError(Exception):
     http_status = 500
     error_type = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param

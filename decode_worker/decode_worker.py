@@ -22,7 +22,9 @@ class DecodeWorker(EngineReplica):
     async def __init__(self, config: AppConfig) -> None:
         self._start(config, "decode")
         self.kv_client = GrpcKVClient(
-            config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds
+            config.transfer.max_chunk_bytes,
+            config.transfer.fetch_timeout_seconds,
+            max_blocks=config.decode.cache.num_blocks,
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[WorkerChunk]:

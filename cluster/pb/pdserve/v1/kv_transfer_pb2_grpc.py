@@ -53,7 +53,7 @@ class KVTransferServicer:
 
     def FetchKV(self, request, context):
         """Streams the KV of one lease as a sequence of chunks. The server checks
-        `handle.capability_token` (PERMISSION_DENIED if wrong), that the lease is live (NOT_FOUND
+        `handle.capability_token` (UNAUTHENTICATED if wrong), that the lease is live (NOT_FOUND
         if released, expired or unknown), and that `receiver_layout` equals the lease's layout
         (FAILED_PRECONDITION otherwise) before sending anything. Fetching does not release the
         lease; the client must call `ReleaseKV` once it holds the data.

@@ -1,0 +1,209 @@
+"""`LeaseKeeper`: how long a prefilled prompt's KV blocks stay pinned, and who may read them.
+
+Contract. `grant` puts a lease on a request the engine holds (finish reason "prefilled") and
+mints its capability token. The blocks stay pinned until exactly one of:
+  (a) `release(rid, "fetched")` - the decode worker holds the data;
+  (b) `release(rid, "aborted")` - the router gave up on the request;
+  (c) the lease expires (`expire_now`, run every interval by the expiry task).
+Then the keeper frees them on the engine thread (`Engine.release`) and counts the reason.
+A fetch brackets its reads with `begin_fetch` / `end_fetch`: while one is in flight, expiry
+skips the lease and a release is deferred until the fetch ends, so blocks are never freed
+under a reader. `begin_fetch` refuses a lease that is past its expiry even if the expiry task
+has not run yet, so a late fetch never reads blocks that may have been reused.
+
+Runs on one event loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cluster.async_engine import AsyncEngine
+from cluster.capability import Capability
+from cluster.errors import InvalidArgument, NotFound, Unauthenticated
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Lease:
+    block_ids: list[int]
+    num_tokens: int
+    expiry: float
+    token: bytes
+    fetches: int = 0  # fetches in flight; > 0 pins the blocks
+    freeing: str | None = None  # release reason, once a release was decided
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        lease_seconds: float,
+        capability: Capability,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if lease_seconds <= 0:
+            raise InvalidArgument(f"lease_seconds must be positive, got {lease_seconds}")
+        self.engine = async_engine
+        self.lease_seconds = lease_seconds
+        self.capability = capability
+        self.clock = clock
+        self.granted = 0
+        self.fetched = 0
+        self.expired = 0
+        self.aborted = 0
+        self._leases: dict[str, _Lease] = {}
+        self._frees: set[asyncio.Task] = set()
+        self._expiry_task: asyncio.Task | None = None
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    # -- granting and fetching -------------------------------------------------------------
+
+    async def grant(self, request_id: str) -> tuple[list[int], int, float, bytes]:
+        """Lease the held KV of `request_id`: (block ids, num tokens, expiry, token).
+        NotFound if the engine holds no KV for it; InvalidArgument if it is leased already."""
+        if request_id in self._leases:
+            raise InvalidArgument(f"request {request_id!r} is already leased", param="request_id")
+        block_ids, num_tokens = await self.engine.call(lambda e: e.held_blocks(request_id))
+        if request_id in self._leases:
+            raise InvalidArgument(f"request {request_id!r} is already leased", param="request_id")
+        expiry = self.clock() + self.lease_seconds
+        token = self.capability.token(request_id, block_ids)
+        self._leases[request_id] = _Lease(list(block_ids), num_tokens, expiry, token)
+        self._empty.clear()
+        self.granted += 1
+        return list(block_ids), num_tokens, expiry, token
+
+    async def begin_fetch(self, request_id: str, token: bytes) -> tuple[list[int], int]:
+        """Pin a live lease for reading: (block ids, num tokens). Unauthenticated for a wrong
+        token, NotFound for an unknown, released or expired lease. Pair with `end_fetch`."""
+        lease = self._leases.get(request_id)
+        if lease is None or lease.freeing is not None:
+            raise NotFound(f"no KV lease for request {request_id!r} (released or expired)")
+        if not _same_token(lease.token, token):
+            raise Unauthenticated(f"bad capability token for request {request_id!r}")
+        if self.clock() >= lease.expiry:
+            if lease.fetches == 0:
+                lease.freeing = "expired"
+                await self._free(request_id, lease)
+            raise NotFound(f"the KV lease of request {request_id!r} expired")
+        lease.fetches += 1
+        return list(lease.block_ids), lease.num_tokens
+
+    def end_fetch(self, request_id: str) -> None:
+        """Unpin after `begin_fetch`; runs a release that arrived during the fetch."""
+        lease = self._leases.get(request_id)
+        if lease is None or lease.fetches == 0:
+            return
+        lease.fetches -= 1
+        if lease.fetches == 0 and lease.freeing is not None:
+            task = asyncio.get_running_loop().create_task(self._free(request_id, lease))
+            self._frees.add(task)
+            task.add_done_callback(self._frees.discard)
+
+    # -- ending leases ---------------------------------------------------------------------
+
+    async def release(self, request_id: str, reason: str, token: bytes | None = None) -> bool:
+        """End a lease ("fetched" or "aborted"). True if this call ended a live lease; False
+        if there was none. With `token`, a wrong one raises Unauthenticated. Idempotent."""
+        if reason not in ("fetched", "aborted"):
+            raise InvalidArgument(f"release reason must be fetched or aborted, got {reason!r}")
+        lease = self._leases.get(request_id)
+        if lease is None or lease.freeing is not None:
+            return False
+        if token is not None and not _same_token(lease.token, token):
+            raise Unauthenticated(f"bad capability token for request {request_id!r}")
+        lease.freeing = reason
+        if lease.fetches == 0:  # else end_fetch frees the blocks
+            await self._free(request_id, lease)
+        return True
+
+    async def expire_now(self) -> int:
+        """Free every unpinned lease past its expiry; returns how many."""
+        now = self.clock()
+        due = [
+            (rid, lease)
+            for rid, lease in self._leases.items()
+            if lease.expiry <= now and lease.fetches == 0 and lease.freeing is None
+        ]
+        freed = 0
+        for rid, lease in due:
+            if lease.freeing is None and lease.fetches == 0:  # unchanged while we awaited
+                lease.freeing = "expired"
+                await self._free(rid, lease)
+                freed += 1
+        return freed
+
+    async def _free(self, request_id: str, lease: _Lease) -> None:
+        """Free the blocks of a lease whose `freeing` reason is set and that no fetch pins."""
+        block_ids = lease.block_ids
+
+        def free(engine) -> bool:
+            # Only the sequence this lease was granted on, should the id have been reused.
+            try:
+                held, _ = engine.held_blocks(request_id)
+            except NotFound:
+                return False
+            return held == block_ids and engine.release(request_id)
+
+        try:
+            await asyncio.shield(self.engine.call(free))
+        finally:
+            if self._leases.get(request_id) is lease:
+                del self._leases[request_id]
+                if lease.freeing == "fetched":
+                    self.fetched += 1
+                elif lease.freeing == "expired":
+                    self.expired += 1
+                else:
+                    self.aborted += 1
+            if not self._leases:
+                self._empty.set()
+
+    # -- background expiry and shutdown ----------------------------------------------------
+
+    def start(self, interval: float = 1.0) -> None:
+        """Run `expire_now` every `interval` seconds on the running loop until `stop`."""
+        if self._expiry_task is None:
+            self._expiry_task = asyncio.get_running_loop().create_task(self.run_expiry(interval))
+
+    async def stop(self) -> None:
+        task, self._expiry_task = self._expiry_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._frees:
+            await asyncio.gather(*self._frees, return_exceptions=True)
+
+    async def run_expiry(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.expire_now()
+            except Exception:  # keep the loop alive for the leases still to come
+                log.exception("KV lease expiry failed")
+
+    def outstanding(self) -> int:
+        """Leases whose blocks are not yet freed (live, being fetched or being freed)."""
+        return len(self._leases)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until no lease is outstanding; False if `timeout` seconds pass first."""
+        if not self._leases:
+            return True
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+def _same_token(expected: bytes, token: object) -> bool:
+    return isinstance(token, bytes) and hmac.compare_digest(expected, token)

@@ -67,7 +67,9 @@ class AsyncEngine:
         self, request: Request, kv, first_token: int
     ) -> AsyncIterator[StepOutput]:
         """Import prompt KV computed elsewhere, then yield the decode outputs."""
-        return await self._stream(request.request_id, lambda e: e.import_kv(request, kv, first_token))
+        return await self._stream(
+            request.request_id, lambda e: e.import_kv(request, kv, first_token)
+        )
 
     async def _stream(self, request_id: str, admit: Callable[[Engine], Any]):
         q: asyncio.Queue = asyncio.Queue()

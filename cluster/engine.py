@@ -86,20 +86,20 @@ class Engine:
             )
         seq = self._new_sequence(request)
         n = self.blocks.blocks_for(kv.num_tokens)
-        if tuple(kv.k.shape[:2]) != (self.layout.num_layers, n):
-            raise FailedPrecondition(f"KV tensor shape {tuple(kv.k.shape)} is not {n} blocks")
+        shape = (self.layout.num_layers, n, *self.layout.block_shape)
+        if tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
+            raise FailedPrecondition(f"KV tensor shape {tuple(kv.k.shape)} is not {shape}")
         if not self.blocks.can_allocate(n):
             raise ResourceExhausted(f"no room to import {n} KV blocks")
         seq.block_table = self.blocks.allocate(n)
         self.kv_cache.write(seq.block_table, kv.k, kv.v)
         seq.num_computed_tokens = kv.num_tokens
         self._admit(seq)
+        self.scheduler.add_running(seq)
         # The prefill side already streamed this token and its text; only a finish is news.
         out = self._append(seq, first_token)
         if out.finished:
             self._pending.append(replace(out, token_ids=()))
-        else:
-            self.scheduler.add_running(seq)
 
     def _new_sequence(self, request: Request) -> Sequence:
         rid, ids = request.request_id, request.prompt_token_ids
@@ -117,13 +117,17 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgument(
-                f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="prompt_token_ids"
+                f"prompt_token_ids out of vocabulary [0, {vocab}): {bad[:5]}",
+                param="prompt_token_ids",
             )
         if request.params.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need a tokenizer; this model has none", "stop")
-        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+        longest = min(len(ids) + request.params.max_tokens, self.max_model_len)
+        if self.blocks.blocks_for(longest) > self.blocks.num_blocks:
             raise InvalidArgument(
-                f"prompt of {len(ids)} tokens does not fit in the KV pool", param="prompt"
+                f"prompt of {len(ids)} tokens plus max_tokens {request.params.max_tokens} "
+                f"does not fit in this worker's KV pool of {self.blocks.num_blocks} blocks",
+                param="max_tokens",
             )
         seed = request.params.seed
         return Sequence(

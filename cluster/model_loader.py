@@ -95,6 +95,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # to_empty left the rope tables uninitialised; they are computed, not loaded.
     rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)
     model.rotary = rotary.to(device)
+    if spec.tie_word_embeddings:  # to_empty gave lm_head its own storage; share it again
+        model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, _weight_files(Path(config.path)), spec, device)
     return LoadedModel(model=model.to(config.torch_dtype).eval(), info=info)
 

@@ -82,7 +82,8 @@ class Orchestrator:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgument(
-                f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="prompt_token_ids"
+                f"prompt_token_ids out of vocabulary [0, {vocab}): {bad[:5]}",
+                param="prompt_token_ids",
             )
         limit = self.info.max_model_len
         if len(ids) >= limit:

@@ -1,1 +1,0 @@
-from tests.ray_fixtures import ray_serve  # noqa: F401  (session-wide Ray + Serve)

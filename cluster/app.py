@@ -23,6 +23,8 @@ ROLE_CLASSES = {
     "Decode": "decode_worker.decode_worker:DecodeWorker",
     "Colocated": "decode_worker.colocated_worker:ColocatedWorker",
 }
+# A replica being removed gets this long to finish its streams and hand over its KV leases.
+GRACEFUL_SHUTDOWN_S = 30.0
 GRPC_SERVICER = "cluster.pb.pdserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"
 
 
@@ -30,7 +32,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Serve builder. `args` is an `AppConfig` or its dict form (`AppConfig.to_dict()`);
     without a model path the embedded tiny model is used."""
     config = args if isinstance(args, AppConfig) else _config_from_args(dict(args or {}))
-    config = config.with_secret()
+    config = config.resolved()
     router = _deployment("Router", config.router)
     if config.mode == "colocated":
         colocated = _deployment("Colocated", config.decode).bind(config)
@@ -53,14 +55,20 @@ def _config_from_args(args: dict[str, Any]) -> AppConfig:
 def _deployment(name: str, pool: PoolConfig):
     module, _, attr = ROLE_CLASSES[name].partition(":")
     cls = getattr(importlib.import_module(module), attr)
+    size = (
+        {"autoscaling_config": pool.autoscaling.serve_config()}
+        if pool.autoscaling is not None
+        else {"num_replicas": pool.replicas}
+    )
     return serve.deployment(
         cls,
         name=name,
-        num_replicas=pool.replicas,
         ray_actor_options=pool.actor_options(),
-        max_ongoing_requests=pool.max_ongoing_requests,
+        max_ongoing_requests=pool.ongoing_limit,
+        max_queued_requests=pool.queued_limit,
         health_check_period_s=5,
-        graceful_shutdown_timeout_s=30,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+        **size,
     )
 
 

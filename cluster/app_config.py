@@ -10,6 +10,12 @@ import secrets
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from cluster.autoscaling import (
+    DECODE_TARGETS,
+    PREFILL_TARGETS,
+    ROUTER_TARGETS,
+    AutoscalingSettings,
+)
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from cluster.errors import InvalidArgument
 
@@ -21,12 +27,16 @@ class PoolConfig:
     """One deployment's replicas and resources, and (for engine pools) its KV pool and
     scheduler. `torch_threads` 0 keeps torch's default."""
 
-    replicas: int = 1
+    replicas: int = 1  # fixed size; ignored when `autoscaling` is set
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: tuple[tuple[str, float], ...] = ()
     torch_threads: int = 0
-    max_ongoing_requests: int = 256
+    # Requests one replica works on at once; 0 = what it can really hold (its max_num_seqs).
+    max_ongoing_requests: int = 0
+    # Requests waiting for a replica beyond that; more are refused at once. 0 = 4x ongoing.
+    max_queued_requests: int = 0
+    autoscaling: AutoscalingSettings | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -35,6 +45,22 @@ class PoolConfig:
             raise InvalidArgument("replicas must be >= 1")
         if self.num_cpus < 0 or self.num_gpus < 0 or self.torch_threads < 0:
             raise InvalidArgument("num_cpus, num_gpus and torch_threads must be >= 0")
+        if self.max_ongoing_requests < 0 or self.max_queued_requests < 0:
+            raise InvalidArgument("max_ongoing_requests and max_queued_requests must be >= 0")
+
+    @property
+    def ongoing_limit(self) -> int:
+        return self.max_ongoing_requests or self.scheduler.max_num_seqs
+
+    @property
+    def queued_limit(self) -> int:
+        return self.max_queued_requests or 4 * self.ongoing_limit
+
+    def with_default_targets(self, targets: tuple[tuple[str, float], ...]) -> PoolConfig:
+        """Fill the pool's autoscaling targets with `targets` if none were configured."""
+        if self.autoscaling is None or self.autoscaling.targets:
+            return self
+        return replace(self, autoscaling=replace(self.autoscaling, targets=targets))
 
     def actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
@@ -47,7 +73,9 @@ class PoolConfig:
 class AppConfig:
     model: ModelConfig
     mode: Mode = "disaggregated"
-    router: PoolConfig = field(default_factory=lambda: PoolConfig(num_cpus=0.5))
+    router: PoolConfig = field(
+        default_factory=lambda: PoolConfig(num_cpus=0.5, max_ongoing_requests=1024)
+    )
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -68,11 +96,19 @@ class AppConfig:
         if self.max_retries < 0:
             raise InvalidArgument("max_retries must be >= 0")
 
-    def with_secret(self) -> AppConfig:
-        """Give the cluster a capability secret if it has none (one per application)."""
-        if self.transfer.secret:
-            return self
-        return replace(self, transfer=replace(self.transfer, secret=secrets.token_hex(32)))
+    def resolved(self) -> AppConfig:
+        """Fill what is derived at build time: the capability secret (one per application)
+        and each pool's default autoscaling signals."""
+        config = self
+        if not self.transfer.secret:
+            secret = secrets.token_hex(32)
+            config = replace(config, transfer=replace(self.transfer, secret=secret))
+        return replace(
+            config,
+            router=config.router.with_default_targets(ROUTER_TARGETS),
+            prefill=config.prefill.with_default_targets(PREFILL_TARGETS),
+            decode=config.decode.with_default_targets(DECODE_TARGETS),
+        )
 
     def engine_config(self, pool: Literal["prefill", "decode", "colocated"]) -> EngineConfig:
         p = self.prefill if pool == "prefill" else self.decode
@@ -103,9 +139,9 @@ def _build(cls, d: dict[str, Any]):
     kwargs = {}
     for name, value in d.items():
         sub = _NESTED.get((cls, name))
-        if sub is not None:
+        if sub is not None and value is not None:
             kwargs[name] = _build(sub, value)
-        elif name == "resources":
+        elif name in ("resources", "targets"):
             kwargs[name] = tuple(sorted((str(k), float(v)) for k, v in dict(value).items()))
         else:
             kwargs[name] = value
@@ -117,7 +153,7 @@ def _dump(obj) -> Any:
         out = {}
         for f in fields(obj):
             v = getattr(obj, f.name)
-            out[f.name] = dict(v) if f.name == "resources" else _dump(v)
+            out[f.name] = dict(v) if f.name in ("resources", "targets") else _dump(v)
         return out
     return obj
 
@@ -129,5 +165,6 @@ _NESTED = {
     (AppConfig, "decode"): PoolConfig,
     (AppConfig, "transfer"): TransferConfig,
     (PoolConfig, "cache"): CacheConfig,
+    (PoolConfig, "autoscaling"): AutoscalingSettings,
     (PoolConfig, "scheduler"): SchedulerConfig,
 }

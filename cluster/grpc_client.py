@@ -74,7 +74,22 @@ def print_status(target: str) -> int:
     except grpc.RpcError as e:
         print(f"error ({e.code().name}): {e.details()}", file=sys.stderr)
         return 2
-    print(f"model {info.model_id}  mode {info.mode}  block_size {info.block_size}")
+    print(f"model {info.model_id}  mode {info.mode}  block_size {info.block_size}\n")
+    _table(
+        ("pool", "deployment", "replicas", "target", "min..max", "load (total / target each)"),
+        [
+            (
+                p.pool,
+                p.deployment,
+                p.current_replicas,
+                p.target_replicas,
+                f"{p.min_replicas}..{p.max_replicas}",
+                ", ".join(f"{g.name} {g.value:g} / {g.target_per_replica:g}" for g in p.signals),
+            )
+            for p in stats.pools
+        ],
+    )
+    print()
     header = ("pool", "replica", "kv total", "kv used", "kv leased", "running", "waiting", "queued")
     rows = [
         (
@@ -89,7 +104,11 @@ def print_status(target: str) -> int:
         )
         for r in stats.replicas
     ]
+    _table(header, rows)
+    return 0
+
+
+def _table(header: tuple, rows: list[tuple]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
     for row in (header, *rows):
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
-    return 0

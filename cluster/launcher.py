@@ -15,6 +15,7 @@ from ray import serve
 
 from cluster.app import GRPC_SERVICER, build_app, default_config
 from cluster.app_config import AppConfig
+from cluster.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, AutoscalingSettings
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +32,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per engine replica")
     p.add_argument("--torch-threads", type=int, default=0)
+    scale = p.add_argument_group("autoscaling (a pool autoscales when its max > its min)")
+    for pool in ("prefill", "decode"):
+        scale.add_argument(f"--{pool}-min-replicas", type=int, default=None)
+        scale.add_argument(f"--{pool}-max-replicas", type=int, default=None)
+    scale.add_argument(
+        "--prefill-target-queued-tokens", type=float, default=None, help="per replica"
+    )
+    scale.add_argument("--decode-target-running", type=float, default=None, help="per replica")
+    scale.add_argument("--decode-target-kv-usage", type=float, default=None, help="0-1")
+    scale.add_argument("--upscale-delay", type=float, default=10.0, help="seconds")
+    scale.add_argument("--downscale-delay", type=float, default=60.0, help="seconds")
     p.add_argument("--demo", action="store_true", help="send one request once it is up")
     p.add_argument("--exit", action="store_true", help="shut down after deploying (and --demo)")
 
@@ -80,25 +92,85 @@ def _config_from_flags(args: argparse.Namespace) -> AppConfig:
         base,
         model=model,
         mode=args.mode,
-        prefill=replace(base.prefill, replicas=args.prefill_replicas, **pool),
-        decode=replace(base.decode, replicas=args.decode_replicas, **pool),
+        prefill=replace(
+            base.prefill,
+            replicas=args.prefill_replicas,
+            autoscaling=_autoscaling(args, "prefill", PREFILL_TARGETS),
+            **pool,
+        ),
+        decode=replace(
+            base.decode,
+            replicas=args.decode_replicas,
+            autoscaling=_autoscaling(args, "decode", DECODE_TARGETS),
+            **pool,
+        ),
     )
 
 
-def _deploy_config_file(path: Path) -> tuple[int, int]:
-    """Deploy every application of a Serve config file, with its proxy options."""
-    from ray.serve.schema import ServeDeploySchema
+def _autoscaling(args: argparse.Namespace, pool: str, defaults) -> AutoscalingSettings | None:
+    low = getattr(args, f"{pool}_min_replicas")
+    high = getattr(args, f"{pool}_max_replicas")
+    if low is None and high is None:
+        return None
+    fixed = getattr(args, f"{pool}_replicas")
+    low = fixed if low is None else low
+    high = max(low, fixed) if high is None else high
+    overrides = {
+        "queued_prompt_tokens": args.prefill_target_queued_tokens,
+        "running": args.decode_target_running,
+        "kv_usage": args.decode_target_kv_usage,
+    }
+    targets = tuple((s, overrides[s] or t) for s, t in defaults)
+    return AutoscalingSettings(
+        min_replicas=low,
+        max_replicas=high,
+        initial_replicas=min(max(fixed, low), high),
+        upscale_delay_s=args.upscale_delay,
+        downscale_delay_s=args.downscale_delay,
+        targets=targets,
+    )
+
+
+def _deploy_config_file(path: Path, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Deploy a Serve config file the way `serve run FILE` does (ray/serve/scripts.py): start
+    Serve with the file's proxy options, then hand the whole config to the Serve controller,
+    which builds each application from its `import_path` and `args` and applies the file's
+    `deployments:` overrides over what the code set. Ray has no public Python call for this
+    last step. If Serve already runs, its proxies keep their options (Serve logs a warning).
+    Like `serve deploy`, it deletes applications an earlier config file deployed that this one
+    no longer lists. Blocks until every application is RUNNING: on a cluster the autoscaler
+    may first have to start GPU nodes, hence the long timeout."""
+    import time
+
+    from ray.serve._private.api import serve_start
+    from ray.serve.config import gRPCOptions
+    from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
     raw: dict[str, Any] = yaml.safe_load(path.read_text())
-    schema = ServeDeploySchema.model_validate(raw)
-    grpc_opts = raw.get("grpc_options") or {}
-    http_opts = raw.get("http_options") or {}
-    serve.start(http_options=http_opts, grpc_options=grpc_opts)
-    for app in schema.applications:
-        module, _, attr = app.import_path.replace(":", ".").rpartition(".")
-        builder = getattr(__import__(module, fromlist=[attr]), attr)
-        serve.run(builder(app.args or {}), name=app.name, route_prefix=app.route_prefix)
-    return int(grpc_opts.get("port", 9000)), int(http_opts.get("port", 8000))
+    config = ServeDeploySchema.model_validate(raw)
+    client = serve_start(
+        http_options=config.http_options.model_dump(),
+        grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
+        proxy_location=config.proxy_location,
+        controller_options=config.controller_options,
+    )
+    client.deploy_apps(config)
+    names = [app.name for app in config.applications]
+    failed = (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # Statuses change in the controller's loop: right after apply_config an app that is
+        # being replaced can still read RUNNING, so look only after a pause.
+        time.sleep(1.0)
+        apps = serve.status().applications
+        status = {n: apps[n].status if n in apps else ApplicationStatus.NOT_STARTED for n in names}
+        for name in names:
+            if status[name] in failed:
+                raise RuntimeError(f"{path}: application {name!r}: {apps[name].message}")
+        if all(s == ApplicationStatus.RUNNING for s in status.values()):
+            return config.grpc_options.port, config.http_options.port
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path}: not RUNNING after {timeout_s:.0f}s: {status}")
 
 
 def _demo(target: str) -> None:

@@ -1,8 +1,11 @@
-"""What every engine replica shares: identity, torch threads, its engine thread, health,
-and the stats it reports for `GetStats`."""
+"""What every engine replica shares: identity, torch threads, its engine thread, health, the
+stats it reports (for `GetStats`, the metrics and the autoscaler), and a clean shutdown."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import time
 import uuid
@@ -12,8 +15,12 @@ import torch
 from cluster.app_config import AppConfig
 from cluster.async_engine import AsyncEngine
 from cluster.engine import Engine
+from cluster.metrics import PoolMetrics
 from cluster.pool_messages import ReplicaStats
-from cluster.stats_registry import StatsReporter
+from cluster.stats_registry import registry
+
+log = logging.getLogger(__name__)
+REPORT_INTERVAL_S = 0.25
 
 
 def replica_id() -> str:
@@ -27,7 +34,8 @@ def replica_id() -> str:
 
 
 class EngineReplica:
-    """Base of the prefill, decode and colocated deployments. Subclasses call `_start`."""
+    """Base of the prefill, decode and colocated deployments. Subclasses call `_start` from
+    their constructor and `_shutdown` from `__del__`."""
 
     pool: str
 
@@ -41,8 +49,10 @@ class EngineReplica:
         self.engine = AsyncEngine(Engine(config.engine_config(pool)))
         self.engine.start()
         self.layout = self.engine.engine.layout
-        self.reporter = StatsReporter(config.name, self.stats)
-        self.reporter.start()
+        self.metrics = PoolMetrics(pool)
+        self.registry = registry(config.name)
+        self.last_stats: ReplicaStats | None = None
+        self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
     async def stats(self) -> ReplicaStats:
         s = await self.engine.call(lambda e: e.stats())
@@ -58,11 +68,47 @@ class EngineReplica:
             updated_at=time.time(),
         )
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling hook: this replica's load signals (see autoscaling.py).
+        Answers from the last report, so a long engine step never delays it."""
+        s = self.last_stats
+        if s is None:
+            return {}
+        return {
+            "queued_prompt_tokens": float(s.queued_prompt_tokens),
+            "running": float(s.running),
+            "kv_usage": s.kv_blocks_used / max(1, s.kv_blocks_total),
+        }
+
     async def check_health(self) -> None:
         """Serve's health probe: the engine thread must be alive."""
         if not self.engine.alive():
             raise RuntimeError("engine thread is not running")
 
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                await self._report()
+            except Exception:  # reporting must never take the replica down
+                log.exception("stats report failed")
+            await asyncio.sleep(REPORT_INTERVAL_S)
+
+    async def _report(self) -> None:
+        s = await self.stats()
+        self.last_stats = s
+        self.metrics.set("pdserve_kv_cache_usage", s.kv_blocks_used / max(1, s.kv_blocks_total))
+        self.metrics.set("pdserve_running_sequences", s.running)
+        self.metrics.set("pdserve_waiting_sequences", s.waiting)
+        self.metrics.set("pdserve_queued_prompt_tokens", s.queued_prompt_tokens)
+        await self.registry.put.remote(s)
+
     async def _shutdown(self) -> None:
-        await self.reporter.stop()
+        """Abort what is still running (streams end with finish reason "abort"), then stop."""
+        self._reporter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reporter
+        await self.engine.call(lambda e: [e.abort(rid) for rid in list(e.seqs)])
+        await asyncio.sleep(0.1)  # let the abort outputs reach their streams
+        with contextlib.suppress(Exception):
+            await self.registry.remove.remote(self.pool, self.replica_id)
         await self.engine.stop()

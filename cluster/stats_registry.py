@@ -1,16 +1,14 @@
 """Where every engine replica reports its KV and queue numbers, so `GetStats` can list them all.
 
 Serve handles route each call to one replica, so the router cannot ask every replica itself.
-Instead each worker pushes its `ReplicaStats` to one named Ray actor per application, on a short
-timer and at shutdown; entries that stop arriving (a replica that died) age out after `ttl`.
+Instead each engine replica pushes its `ReplicaStats` to one named Ray actor per application on
+a short timer (see `EngineReplica`) and removes itself at shutdown; entries that stop arriving
+(a replica that died) age out after `ttl`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import Callable
 
 import ray
 
@@ -43,38 +41,3 @@ def registry(app_name: str):
         get_if_exists=True,
         lifetime="detached",
     ).remote()
-
-
-class StatsReporter:
-    """Pushes `collect()` to the registry every `interval` seconds while running."""
-
-    def __init__(
-        self, app_name: str, collect: Callable[[], asyncio.Future], interval: float = 0.25
-    ) -> None:
-        self.registry = registry(app_name)
-        self.collect = collect
-        self.interval = interval
-        self._task: asyncio.Task | None = None
-        self._last: ReplicaStats | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def push(self) -> None:
-        stats: ReplicaStats = await self.collect()
-        await self.registry.put.remote(stats)
-        self._last = stats
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._last is not None:
-            await self.registry.remove.remote(self._last.pool, self._last.replica_id)
-
-    async def _loop(self) -> None:
-        while True:
-            with contextlib.suppress(Exception):
-                await self.push()
-            await asyncio.sleep(self.interval)

@@ -27,6 +27,8 @@ class ColocatedWorker(EngineReplica):
         async for out in stream:
             if first:
                 prefill = time.monotonic() - received - out.queue_seconds
+                self.metrics.observe("pdserve_queue_time_seconds", out.queue_seconds)
+                self.metrics.observe("pdserve_prefill_time_seconds", prefill)
                 yield WorkerChunk(
                     out, self.replica_id, queue_seconds=out.queue_seconds, prefill_seconds=prefill
                 )

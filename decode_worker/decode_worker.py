@@ -3,7 +3,8 @@ joins the continuous batch and streams tokens.
 
 The pull is this side's job (the prefill side never learns where decoding happens), so Serve's
 own routing picks the replica in each pool. The lease is released as soon as the KV is copied
-into local memory, before the first decode step.
+into local memory, before the first decode step. A replica being removed lets its streams
+finish within the graceful shutdown timeout and ends the rest with finish reason "abort".
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from cluster.app_config import AppConfig
+from cluster.errors import PdServeError
 from cluster.grpc_kv_client import GrpcKVClient
 from cluster.pool_messages import DecodeRequest, WorkerChunk
 from cluster.replica import EngineReplica
@@ -31,18 +33,27 @@ class DecodeWorker(EngineReplica):
         """Fetch, import, then yield one chunk per engine step until the request finishes.
         Errors before the first chunk (bad lease, layout mismatch, full pool) are raised."""
         started = time.monotonic()
-        kv = await self.kv_client.fetch(req.handle, self.layout)
+        try:
+            kv = await self.kv_client.fetch(req.handle, self.layout)
+        except PdServeError as e:
+            self.metrics.inc("pdserve_kv_transfer_failures_total", code=e.grpc_code)
+            raise
         await self.kv_client.release(req.handle, "fetched")
         request = replace(req.request, arrival_time=time.monotonic())
         stream = await self.engine.import_and_generate(request, kv, req.first_token)
         transfer_seconds = time.monotonic() - started
+        self.metrics.observe("pdserve_kv_transfer_time_seconds", transfer_seconds)
+        self.metrics.inc("pdserve_kv_transfer_bytes_total", kv.k.nbytes + kv.v.nbytes)
         first = True
         async for out in stream:
+            if first:
+                queued = time.monotonic() - started - transfer_seconds
+                self.metrics.observe("pdserve_queue_time_seconds", queued)
             yield WorkerChunk(
                 out, self.replica_id, kv_transfer_seconds=transfer_seconds if first else 0.0
             )
             first = False
 
     async def __del__(self) -> None:
-        await self.kv_client.close()
         await self._shutdown()
+        await self.kv_client.close()

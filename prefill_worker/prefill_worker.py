@@ -4,6 +4,10 @@ Requests that reach a replica together are prefilled together: the engine's sche
 every waiting prompt into the same steps under its token budget (long prompts are chunked).
 Each finished prompt's KV blocks stay pinned under a lease until a decode worker fetches them
 through this replica's KV server, the router aborts, or the lease expires.
+
+Scale-down is drain-safe: a replica that Serve is removing refuses new prompts (UNAVAILABLE,
+so the router retries on another replica) and waits, up to its graceful shutdown timeout,
+until every outstanding lease is fetched or has expired before its KV server stops.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from dataclasses import replace
 
 import ray
 
+from cluster.app import GRACEFUL_SHUTDOWN_S
 from cluster.app_config import AppConfig
 from cluster.capability import Capability
+from cluster.errors import Unavailable
 from cluster.kv_handle import KVHandle
 from cluster.pool_messages import PrefillResult
 from cluster.replica import EngineReplica
@@ -41,9 +47,14 @@ class PrefillWorker(EngineReplica):
             transfer.max_chunk_bytes,
         )
         self.endpoint = await self.server.start()
+        self.draining = False
+        self._expired_reported = 0
 
     async def prefill(self, request: Request) -> PrefillResult:
-        """Prefill one prompt. Raises InvalidArgument / ResourceExhausted from admission."""
+        """Prefill one prompt. Raises InvalidArgument / ResourceExhausted from admission, and
+        Unavailable while this replica drains."""
+        if self.draining:
+            raise Unavailable("prefill replica is shutting down; retry on another")
         received = time.monotonic()
         request = replace(request, prefill_only=True, arrival_time=received)
         first = None
@@ -65,19 +76,31 @@ class PrefillWorker(EngineReplica):
                 capability_token=token,
                 first_token_id=first.token_ids[0],
             )
+        prefill_seconds = time.monotonic() - received - first.queue_seconds
+        self.metrics.observe("pdserve_queue_time_seconds", first.queue_seconds)
+        self.metrics.observe("pdserve_prefill_time_seconds", prefill_seconds)
         return PrefillResult(
             first=first,
             handle=handle,
             replica_id=self.replica_id,
             queue_seconds=first.queue_seconds,
-            prefill_seconds=time.monotonic() - received - first.queue_seconds,
+            prefill_seconds=prefill_seconds,
         )
 
     async def release(self, request_id: str, reason: str = "aborted") -> bool:
         """Free a lease now (the router gave up on the request)."""
         return await self.leases.release(request_id, reason)
 
+    async def _report(self) -> None:
+        await super()._report()
+        expired = self.leases.expired
+        self.metrics.inc("pdserve_kv_leases_expired_total", expired - self._expired_reported)
+        self._expired_reported = expired
+
     async def __del__(self) -> None:
+        self.draining = True
+        # Leases outlive the prefill calls Serve waited for: let decode workers fetch them.
+        await self.leases.drain(timeout=GRACEFUL_SHUTDOWN_S - 5.0)
         await self.server.stop(1.0)
         await self.leases.stop()
         await self._shutdown()

@@ -8,6 +8,7 @@ from cluster.pool_messages import ReplicaStats
 from cluster.request import Request
 from router.generation_chunk import GenerationChunk
 from router.orchestrator import Orchestrator
+from router.pool_status import PoolStatus
 
 _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -82,8 +83,22 @@ def model_info_to_proto(orch: Orchestrator) -> pb.ModelInfo:
     )
 
 
-def stats_to_proto(stats: list[ReplicaStats]) -> pb.ClusterStats:
+def stats_to_proto(stats: list[ReplicaStats], pools: list[PoolStatus]) -> pb.ClusterStats:
     return pb.ClusterStats(
+        pools=[
+            pb.PoolStatus(
+                pool=p.pool,
+                deployment=p.deployment,
+                current_replicas=p.current_replicas,
+                target_replicas=p.target_replicas,
+                min_replicas=p.min_replicas,
+                max_replicas=p.max_replicas,
+                signals=[
+                    pb.LoadSignal(name=n, value=v, target_per_replica=t) for n, v, t in p.signals
+                ],
+            )
+            for p in pools
+        ],
         replicas=[
             pb.ReplicaStats(
                 pool=s.pool,
@@ -96,5 +111,5 @@ def stats_to_proto(stats: list[ReplicaStats]) -> pb.ClusterStats:
                 queued_prompt_tokens=s.queued_prompt_tokens,
             )
             for s in stats
-        ]
+        ],
     )

@@ -19,20 +19,33 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
+from ray.serve.exceptions import BackPressureError
+
 from cluster.app_config import AppConfig
-from cluster.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from cluster.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from cluster.grpc_kv_client import GrpcKVClient
+from cluster.metrics import PoolMetrics
 from cluster.model_loader import ModelInfo
 from cluster.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from cluster.stats_registry import registry
 from router.generation_chunk import GenerationChunk, Timing, Usage
+from router.pool_status import PoolStatus, pool_statuses
 
 
 class Orchestrator:
-    def __init__(self, config: AppConfig, info: ModelInfo, prefill, decode, colocated) -> None:
+    def __init__(
+        self,
+        config: AppConfig,
+        info: ModelInfo,
+        prefill,
+        decode,
+        colocated,
+        metrics: PoolMetrics | None = None,
+    ) -> None:
         self.config = config
+        self.metrics = metrics
         self.info = info
         self.tokenizer = info.tokenizer
         self.prefill = prefill
@@ -120,7 +133,7 @@ class Orchestrator:
             if self.config.mode == "colocated"
             else self._disaggregated(request)
         )
-        tally = _Tally(request, start)
+        tally = _Tally(request, start, self.metrics)
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -132,6 +145,8 @@ class Orchestrator:
                     chunk = await asyncio.wait_for(anext(steps), remaining)
                 except StopAsyncIteration:
                     return
+                except BackPressureError as e:  # a pool's queue is full: refuse, don't wait
+                    raise ResourceExhausted(f"the cluster is at capacity: {e}") from None
                 except TimeoutError:
                     raise DeadlineExceeded(
                         f"request took longer than {self.config.request_timeout_seconds}s"
@@ -193,16 +208,20 @@ class Orchestrator:
             if not done:  # failed or abandoned: don't leave the lease to expire
                 await self.kv_client.release(result.handle, "aborted")
 
-    async def cluster_stats(self) -> list[ReplicaStats]:
-        return await self.registry.list.remote()
+    async def cluster_stats(self, app_name: str) -> tuple[list[ReplicaStats], list[PoolStatus]]:
+        replicas = await self.registry.list.remote()
+        return replicas, await pool_statuses(self.config, app_name, replicas)
 
 
 class _Tally:
-    """Turns worker chunks into client chunks, accounting phases as they pass."""
+    """Turns worker chunks into client chunks, accounting phases (and the router's metrics)
+    as they pass."""
 
-    def __init__(self, request: Request, start: float) -> None:
+    def __init__(self, request: Request, start: float, metrics: PoolMetrics | None) -> None:
         self.request = request
         self.start = start
+        self.metrics = metrics
+        self.last_at = start
         self.completion_tokens = 0
         self.first_token_at: float | None = None
         self.queue = self.prefill = self.transfer = 0.0
@@ -214,14 +233,20 @@ class _Tally:
         if self.first_token_at is None:
             self.first_token_at = now
             self.prefill_replica = chunk.replica_id
+            self._observe("pdserve_time_to_first_token_seconds", now - self.start)
         else:
             self.decode_replica = chunk.replica_id
+            if out.token_ids:
+                gap = (now - self.last_at) / len(out.token_ids)
+                self._observe("pdserve_inter_token_latency_seconds", gap)
+        self.last_at = now
         self.queue += chunk.queue_seconds
         self.prefill += chunk.prefill_seconds
         self.transfer += chunk.kv_transfer_seconds
         self.completion_tokens += len(out.token_ids)
         if out.finish_reason is None:
             return GenerationChunk(self.request.request_id, out.token_ids, out.text)
+        self._finished(out.finish_reason, now)
         return GenerationChunk(
             self.request.request_id,
             out.token_ids,
@@ -239,3 +264,15 @@ class _Tally:
                 decode_replica=self.decode_replica or self.prefill_replica,
             ),
         )
+
+    def _observe(self, name: str, value: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(name, value)
+
+    def _finished(self, reason: str, now: float) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.observe("pdserve_e2e_request_latency_seconds", now - self.start)
+        self.metrics.inc("pdserve_prompt_tokens_total", len(self.request.prompt_token_ids))
+        self.metrics.inc("pdserve_generation_tokens_total", self.completion_tokens)
+        self.metrics.inc("pdserve_requests_finished_total", reason=reason)

@@ -12,6 +12,7 @@ from ray import serve
 
 from cluster.app_config import AppConfig
 from cluster.errors import PdServeError
+from cluster.metrics import PoolMetrics
 from cluster.model_loader import describe_model
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from router.grpc_api import chunk_to_proto, model_info_to_proto, request_from_proto, stats_to_proto
@@ -24,7 +25,9 @@ log = logging.getLogger(__name__)
 @serve.ingress()
 class Router:
     async def __init__(self, config: AppConfig, prefill, decode, colocated) -> None:
-        self.orch = Orchestrator(config, describe_model(config.model), prefill, decode, colocated)
+        info = describe_model(config.model)
+        metrics = PoolMetrics("router")
+        self.orch = Orchestrator(config, info, prefill, decode, colocated, metrics)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="pdserve", version="1")
@@ -50,7 +53,8 @@ class Router:
 
     async def GetStats(self, request: pb.GetStatsRequest, grpc_context) -> pb.ClusterStats:
         try:
-            return stats_to_proto(await self.orch.cluster_stats())
+            app_name = serve.get_replica_context().app_name
+            return stats_to_proto(*await self.orch.cluster_stats(app_name))
         except Exception as e:
             _fail(grpc_context, e)
             raise

@@ -31,6 +31,7 @@ def free_port() -> int:
 class ServeEndpoints:
     grpc_port: int
     http_port: int
+    metrics_port: int
 
     @property
     def grpc_target(self) -> str:
@@ -51,8 +52,13 @@ def ray_serve() -> Iterator[ServeEndpoints]:
     # Short metric push intervals so autoscaling and stats react within a test's time.
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-    ray.init(num_cpus=16, include_dashboard=False, logging_level="warning")
-    ends = ServeEndpoints(free_port(), free_port())
+    ends = ServeEndpoints(free_port(), free_port(), free_port())
+    ray.init(
+        num_cpus=16,
+        include_dashboard=False,
+        logging_level="warning",
+        _metrics_export_port=ends.metrics_port,
+    )
     serve.start(
         http_options={"host": "127.0.0.1", "port": ends.http_port},
         grpc_options={"port": ends.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},

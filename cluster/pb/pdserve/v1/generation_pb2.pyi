@@ -123,10 +123,40 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "pools")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("pool", "deployment", "current_replicas", "target_replicas", "min_replicas", "max_replicas", "signals")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    deployment: str
+    current_replicas: int
+    target_replicas: int
+    min_replicas: int
+    max_replicas: int
+    signals: _containers.RepeatedCompositeFieldContainer[LoadSignal]
+    def __init__(self, pool: _Optional[str] = ..., deployment: _Optional[str] = ..., current_replicas: _Optional[int] = ..., target_replicas: _Optional[int] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., signals: _Optional[_Iterable[_Union[LoadSignal, _Mapping]]] = ...) -> None: ...
+
+class LoadSignal(_message.Message):
+    __slots__ = ("name", "value", "target_per_replica")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    target_per_replica: float
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., target_per_replica: _Optional[float] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
     __slots__ = ("pool", "replica_id", "kv_blocks_total", "kv_blocks_used", "kv_blocks_leased", "running", "waiting", "queued_prompt_tokens")

@@ -1,0 +1,64 @@
+"""pdserve's metrics, exported through `ray.serve.metrics` (so each carries Serve's deployment,
+replica and application tags) to the Ray dashboard and Prometheus (`ray_` prefix there).
+
+Names follow the vocabulary LLM servers share; `pool` says which pool a value belongs to
+(router, prefill, decode, colocated). Latencies are histograms in seconds.
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+]  # fmt: skip
+_BYTES_BUCKETS = [2.0**k for k in range(10, 34, 2)]
+
+# name -> (kind, description, tag keys); every metric also has Serve's own tags.
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "pdserve_time_to_first_token_seconds": ("histogram", "Time to first token", ("pool",)),
+    "pdserve_inter_token_latency_seconds": ("histogram", "Time between output tokens", ("pool",)),
+    "pdserve_e2e_request_latency_seconds": ("histogram", "End-to-end request time", ("pool",)),
+    "pdserve_queue_time_seconds": ("histogram", "Time waiting for an engine step", ("pool",)),
+    "pdserve_prefill_time_seconds": ("histogram", "Prompt computation time", ("pool",)),
+    "pdserve_kv_transfer_time_seconds": ("histogram", "KV fetch + import time", ("pool",)),
+    "pdserve_kv_transfer_bytes_total": ("counter", "KV bytes moved between pools", ("pool",)),
+    "pdserve_kv_transfer_failures_total": ("counter", "Failed KV fetches", ("pool", "code")),
+    "pdserve_kv_leases_expired_total": ("counter", "KV leases freed by expiry", ("pool",)),
+    "pdserve_kv_cache_usage": ("gauge", "Used share of the replica's KV blocks (0-1)", ("pool",)),
+    "pdserve_running_sequences": ("gauge", "Sequences in the running batch", ("pool",)),
+    "pdserve_waiting_sequences": ("gauge", "Sequences waiting to be scheduled", ("pool",)),
+    "pdserve_queued_prompt_tokens": ("gauge", "Prompt tokens not yet prefilled", ("pool",)),
+    "pdserve_prompt_tokens_total": ("counter", "Prompt tokens of served requests", ("pool",)),
+    "pdserve_generation_tokens_total": ("counter", "Generated tokens", ("pool",)),
+    "pdserve_requests_finished_total": ("counter", "Finished requests", ("pool", "reason")),
+}
+
+
+class PoolMetrics:
+    """The metrics one replica records, all tagged with its pool. Create inside a replica."""
+
+    def __init__(self, pool: str) -> None:
+        self.pool = pool
+        self._m = {name: _make(name, *spec) for name, spec in METRICS.items()}
+        for m in self._m.values():
+            m.set_default_tags({"pool": pool})
+
+    def observe(self, name: str, value: float, **tags: str) -> None:
+        self._m[name].observe(value, tags=tags or None)
+
+    def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
+        if value > 0:
+            self._m[name].inc(value, tags=tags or None)
+
+    def set(self, name: str, value: float) -> None:
+        self._m[name].set(value)
+
+
+def _make(name: str, kind: str, description: str, tag_keys: tuple[str, ...]):
+    if kind == "histogram":
+        buckets = _BYTES_BUCKETS if name.endswith("_bytes") else _LATENCY_BUCKETS
+        return Histogram(name, description, boundaries=buckets, tag_keys=tag_keys)
+    if kind == "counter":
+        return Counter(name, description, tag_keys=tag_keys)
+    return Gauge(name, description, tag_keys=tag_keys)

@@ -25,6 +25,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "pdserve_kv_transfer_bytes_total": ("counter", "KV bytes moved between pools", ("pool",)),
     "pdserve_kv_transfer_failures_total": ("counter", "Failed KV fetches", ("pool", "code")),
     "pdserve_kv_leases_expired_total": ("counter", "KV leases freed by expiry", ("pool",)),
+    "pdserve_replica_up": (
+        "gauge",
+        "1 per live engine replica",
+        ("pool",),
+    ),
     "pdserve_kv_cache_usage": ("gauge", "Used share of the replica's KV blocks (0-1)", ("pool",)),
     "pdserve_running_sequences": ("gauge", "Sequences in the running batch", ("pool",)),
     "pdserve_waiting_sequences": ("gauge", "Sequences waiting to be scheduled", ("pool",)),

@@ -96,6 +96,7 @@ class EngineReplica:
     async def _report(self) -> None:
         s = await self.stats()
         self.last_stats = s
+        self.metrics.set("pdserve_replica_up", 1.0)
         self.metrics.set("pdserve_kv_cache_usage", s.kv_blocks_used / max(1, s.kv_blocks_total))
         self.metrics.set("pdserve_running_sequences", s.running)
         self.metrics.set("pdserve_waiting_sequences", s.waiting)

@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(VENV)/bin/pdserve generate --local --max-tokens 32 "pdserve splits prefill from decode"
+	$(VENV)/bin/pdserve serve --demo
 
 test: setup
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from dataclasses import replace
@@ -48,8 +49,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    # A fresh local instance gets at least 4 logical CPUs, so the three deployments fit on a
+    # small machine; a joined cluster keeps its own resources.
+    local_cpus = None if args.address else max(4, os.cpu_count() or 1)
     context = ray.init(
         address=args.address,
+        num_cpus=local_cpus,
         include_dashboard=True,
         dashboard_host="127.0.0.1",
         ignore_reinit_error=True,

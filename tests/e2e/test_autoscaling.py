@@ -29,9 +29,7 @@ def running_replicas(app: str) -> dict[str, int]:
     from ray.serve._private.common import ReplicaState
 
     deployments = serve.status().applications[app].deployments
-    return {
-        name: d.replica_states.get(ReplicaState.RUNNING, 0) for name, d in deployments.items()
-    }
+    return {name: d.replica_states.get(ReplicaState.RUNNING, 0) for name, d in deployments.items()}
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +119,26 @@ def scale_under(ends, cases, concurrency: int, grow: str, stay: str, timeout: fl
     return results
 
 
-def wait_for_minimum(timeout: float = 120.0) -> None:
+def shrink_under_light_load(ends, cases, timeout: float = 120.0) -> list:
+    """Keep one client sending while both pools return to their minimum, so requests are in
+    flight while replicas are removed. Returns that client's results."""
+    stop, results = threading.Event(), []
+    loader = threading.Thread(target=run_load, args=(ends, cases, 1, stop, results))
+    loader.start()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        counts = running_replicas(APP)
-        if counts.get("Prefill") == 1 and counts.get("Decode") == 1:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"pools did not return to their minimum: {running_replicas(APP)}")
+    try:
+        while time.monotonic() < deadline:
+            counts = running_replicas(APP)
+            if counts.get("Prefill") == 1 and counts.get("Decode") == 1:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"pools did not return to their minimum: {counts}")
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        loader.join()
+    return results
 
 
 def check(results, reference) -> None:
@@ -140,16 +150,16 @@ def check(results, reference) -> None:
 def test_prefill_heavy_load_scales_prefill_only_then_back(scaling_app, reference):
     cases = [(tuple((i * 31 + j * 7) % 4000 + 60 for j in range(900)), 1 + i % 2) for i in range(4)]
     results = scale_under(scaling_app, cases, concurrency=12, grow="Prefill", stay="Decode")
+    results += shrink_under_light_load(scaling_app, cases)
     check(results, reference)
-    wait_for_minimum()
     wait_for_idle(scaling_app, APP, {"prefill", "decode"})
 
 
 def test_decode_heavy_load_scales_decode_only_then_back(scaling_app, reference):
     cases = [(tuple(range(10 + i, 15 + i)), 400) for i in range(4)]
     results = scale_under(scaling_app, cases, concurrency=16, grow="Decode", stay="Prefill")
+    results += shrink_under_light_load(scaling_app, [(ids, 40) for ids, _ in cases])
     check(results, reference)
-    wait_for_minimum()
     wait_for_idle(scaling_app, APP, {"prefill", "decode"})
 
 

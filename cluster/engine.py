@@ -105,23 +105,7 @@ class Engine:
         rid, ids = request.request_id, request.prompt_token_ids
         if rid in self.seqs:
             raise InvalidArgument(f"request_id {rid!r} is already in flight", param="request_id")
-        if not ids:
-            raise InvalidArgument("prompt is empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidArgument(
-                f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
-                "including at least one generated token",
-                param="prompt",
-            )
-        vocab = self.info.spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument(
-                f"prompt_token_ids out of vocabulary [0, {vocab}): {bad[:5]}",
-                param="prompt_token_ids",
-            )
-        if request.params.stop and self.tokenizer is None:
-            raise InvalidArgument("stop strings need a tokenizer; this model has none", "stop")
+        self.info.check_request(ids, request.params)
         longest = min(len(ids) + request.params.max_tokens, self.max_model_len)
         if self.blocks.blocks_for(longest) > self.blocks.num_blocks:
             raise InvalidArgument(

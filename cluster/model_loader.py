@@ -20,6 +20,7 @@ from cluster.config import ModelConfig
 from cluster.errors import InvalidArgument
 from cluster.model import SUPPORTED_ARCHITECTURES, ArchSpec, CausalLM
 from cluster.rope import RotaryEmbedding
+from cluster.sampling_params import SamplingParams
 
 
 def arch_spec(hf_config) -> ArchSpec:
@@ -67,6 +68,27 @@ class ModelInfo:
     model_id: str  # checkpoint name plus a digest of its config and weight headers
     eos_token_ids: frozenset[int]
     max_model_len: int
+
+    def check_request(self, ids: tuple[int, ...] | list[int], params: SamplingParams) -> None:
+        """Refuse, naming the field, a prompt or parameters this model cannot serve. The router
+        runs this before any worker is touched; the engine runs it again on admission."""
+        if not ids:
+            raise InvalidArgument("prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidArgument(
+                f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
+                "including at least one generated token",
+                param="prompt",
+            )
+        vocab = self.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(
+                f"prompt_token_ids out of vocabulary [0, {vocab}): {bad[:5]}",
+                param="prompt_token_ids",
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop strings need a tokenizer; this model has none", "stop")
 
 
 def describe_model(config: ModelConfig) -> ModelInfo:

@@ -90,23 +90,8 @@ class Orchestrator:
                 raise InvalidArgument("this model has no tokenizer: send prompt_token_ids")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
-            raise InvalidArgument("prompt is empty", param="prompt")
-        vocab = self.info.spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument(
-                f"prompt_token_ids out of vocabulary [0, {vocab}): {bad[:5]}",
-                param="prompt_token_ids",
-            )
-        limit = self.info.max_model_len
-        if len(ids) >= limit:
-            raise InvalidArgument(
-                f"prompt has {len(ids)} tokens; the context limit is {limit} including at "
-                "least one generated token",
-                param="prompt",
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgument("stop strings need a tokenizer; this model has none", "stop")
+            ids = []
+        self.info.check_request(ids, params)
         return Request(request_id or uuid.uuid4().hex, tuple(ids), params)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:

@@ -19,7 +19,12 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
 
 from cluster.app_config import AppConfig
 from cluster.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
@@ -54,7 +59,7 @@ class Orchestrator:
         self.kv_client = GrpcKVClient(
             config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds
         )
-        self.registry = registry(config.name)
+        self._registry = None  # the stats registry actor, looked up on first use
 
     def model_names(self) -> tuple[str, str]:
         """Names a request may use for the served model: the checkpoint's name or its id."""
@@ -146,6 +151,9 @@ class Orchestrator:
             yield chunk
 
     async def _disaggregated(self, request: Request) -> AsyncIterator[WorkerChunk]:
+        """Prefill, then decode. When the decode hop fails before its first token (the lease
+        expired, a replica died), the request is prefilled again and the decode retried; the
+        router fixed the seed, so the first token the client already has does not change."""
         sent_first = False
         for attempt in range(self.config.max_retries + 1):
             result = await self._prefill(request)
@@ -162,19 +170,20 @@ class Orchestrator:
                 )
             if result.handle is None:
                 return
+            decoded = False
             try:
                 async for chunk in self._decode(request, result):
+                    decoded = True
                     yield chunk
                 return
             except Unavailable:
-                # The lease expired or its replica went away before the fetch: recompute.
-                if attempt == self.config.max_retries:
+                if decoded or attempt == self.config.max_retries:
                     raise
 
     async def _prefill(self, request: Request) -> PrefillResult:
         for attempt in range(self.config.max_retries + 1):
             try:
-                return await self.prefill.prefill.remote(request)
+                return await _transient_as_unavailable(self.prefill.prefill.remote(request))
             except Unavailable:
                 if attempt == self.config.max_retries:
                     raise
@@ -186,7 +195,11 @@ class Orchestrator:
         stream = self.decode.options(stream=True).decode.remote(decode_request)
         done = False
         try:
-            async for chunk in stream:
+            while True:
+                try:
+                    chunk = await _transient_as_unavailable(anext(stream))
+                except StopAsyncIteration:
+                    break
                 done = chunk.output.finished
                 yield chunk
         finally:
@@ -194,8 +207,19 @@ class Orchestrator:
                 await self.kv_client.release(result.handle, "aborted")
 
     async def cluster_stats(self, app_name: str) -> tuple[list[ReplicaStats], list[PoolStatus]]:
-        replicas = await self.registry.list.remote()
+        if self._registry is None:
+            self._registry = registry(self.config.name)
+        replicas = await self._registry.list.remote()
         return replicas, await pool_statuses(self.config, app_name, replicas)
+
+
+async def _transient_as_unavailable(call):
+    """Await a pool call; a replica that died or is unreachable becomes a retryable
+    Unavailable instead of an INTERNAL error."""
+    try:
+        return await call
+    except (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError) as e:
+        raise Unavailable(f"a replica became unavailable: {type(e).__name__}") from None
 
 
 class _Tally:

@@ -1,0 +1,142 @@
+"""The orchestrator's retry rules, with pool handles replaced by doubles (the real pools are
+exercised end to end in tests/e2e). A retried hop must never duplicate tokens the client has."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from cluster.app_config import AppConfig
+from cluster.config import ModelConfig
+from cluster.errors import Unavailable
+from cluster.kv_cache import KVLayout
+from cluster.kv_handle import KVHandle
+from cluster.model import ArchSpec
+from cluster.model_loader import ModelInfo
+from cluster.pool_messages import PrefillResult, WorkerChunk
+from cluster.request import StepOutput
+from cluster.sampling_params import SamplingParams
+from router.orchestrator import Orchestrator
+
+LAYOUT = KVLayout("m@0", "float32", 2, 2, 8, 16)
+
+
+class _Remote:
+    """Stands in for `handle.method.remote(...)` and `handle.options(stream=True)`."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+@dataclass
+class FakePools:
+    prefill_failures: int = 0
+    decode_plan: list[str] = field(default_factory=list)  # per attempt: "ok", "fail-early", ...
+    prefill_calls: int = 0
+    decode_calls: int = 0
+
+    @property
+    def prefill(self):
+        return type("P", (), {"prefill": _Remote(self._prefill)})()
+
+    @property
+    def decode(self):
+        pools = self
+
+        class D:
+            def options(self, stream: bool):
+                return type("S", (), {"decode": _Remote(pools._decode)})()
+
+        return D()
+
+    async def _prefill(self, request):
+        self.prefill_calls += 1
+        if self.prefill_calls <= self.prefill_failures:
+            raise Unavailable("prefill replica draining")
+        first = StepOutput(request.request_id, (7,), "a", "prefilled", 3, 1)
+        handle = KVHandle(
+            request_id=request.request_id,
+            num_tokens=3,
+            endpoint="127.0.0.1:1",
+            transport="grpc",
+            block_ids=(0,),
+            block_size=16,
+            layout=LAYOUT,
+            lease_expiry_unix=0.0,
+            capability_token=b"t" * 32,
+            first_token_id=7,
+        )
+        return PrefillResult(first, handle, "p0", 0.0, 0.01)
+
+    async def _decode(self, decode_request):
+        plan = self.decode_plan[self.decode_calls]
+        self.decode_calls += 1
+        if plan == "fail-early":
+            raise Unavailable("lease expired")
+        rid = decode_request.request.request_id
+        yield WorkerChunk(StepOutput(rid, (8,), "b", None, 3, 2), "d0", kv_transfer_seconds=0.01)
+        if plan == "fail-late":
+            raise Unavailable("replica died")
+        yield WorkerChunk(StepOutput(rid, (9,), "c", "length", 3, 3), "d0")
+
+
+class NoRelease:
+    async def release(self, handle, reason):
+        return True
+
+
+def orchestrator(pools: FakePools) -> Orchestrator:
+    spec = ArchSpec(
+        512, 64, 128, 2, 4, 2, 8, 1e-5, 256, {}, False, False, False, False, False, None
+    )
+    info = ModelInfo(spec, None, "m@0", frozenset(), 256)
+    config = AppConfig(model=ModelConfig(path="/nonexistent"), max_retries=2)
+    orch = Orchestrator(config, info, pools.prefill, pools.decode, None)
+    orch.kv_client = NoRelease()
+    return orch
+
+
+def run(orch: Orchestrator) -> list:
+    async def go():
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+        request = orch.build_request(None, [1, 2, 3], params, "r1")
+        return [c async for c in orch.generate(request)]
+
+    return asyncio.run(go())
+
+
+def tokens(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_prefill_retried_on_unavailable():
+    pools = FakePools(prefill_failures=2, decode_plan=["ok"])
+    chunks = run(orchestrator(pools))
+    assert tokens(chunks) == [7, 8, 9] and pools.prefill_calls == 3
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
+
+
+def test_decode_failing_before_its_first_token_is_redone_without_duplicates():
+    pools = FakePools(decode_plan=["fail-early", "ok"])
+    chunks = run(orchestrator(pools))
+    assert tokens(chunks) == [7, 8, 9]  # the first token is sent once
+    assert pools.prefill_calls == 2 and pools.decode_calls == 2
+
+
+def test_decode_failing_mid_stream_is_not_replayed():
+    pools = FakePools(decode_plan=["fail-late", "ok"])
+    with pytest.raises(Unavailable):
+        run(orchestrator(pools))
+    assert pools.decode_calls == 1
+
+
+def test_retries_are_bounded():
+    pools = FakePools(prefill_failures=10)
+    with pytest.raises(Unavailable):
+        run(orchestrator(pools))
+    assert pools.prefill_calls == 3

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from cluster.app_config import AppConfig
+from cluster.direct_kv_client import make_kv_client
 from cluster.errors import PdServeError
-from cluster.grpc_kv_client import GrpcKVClient
 from cluster.pool_messages import DecodeRequest, WorkerChunk
 from cluster.replica import EngineReplica
 
@@ -23,10 +23,8 @@ from cluster.replica import EngineReplica
 class DecodeWorker(EngineReplica):
     async def __init__(self, config: AppConfig) -> None:
         self._start(config, "decode")
-        self.kv_client = GrpcKVClient(
-            config.transfer.max_chunk_bytes,
-            config.transfer.fetch_timeout_seconds,
-            max_blocks=config.decode.cache.num_blocks,
+        self.kv_client = make_kv_client(
+            config.transfer, self.engine.engine.device, max_blocks=config.decode.cache.num_blocks
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[WorkerChunk]:

@@ -1,25 +1,45 @@
-"""`KVServer`: the prefill worker's end of the `grpc` KV transport (`pdserve.v1.KVTransfer`).
+"""`KVServer`: the prefill worker's end of every KV transport (`pdserve.v1.KVTransfer`).
 
-`FetchKV` streams the KV of one lease in chunks (`cluster.kv_wire`) after checking, before
-anything is read: the handle is well formed, its capability token is genuine
+`FetchKV` (transport "grpc") streams the KV of one lease in chunks (`cluster.kv_wire`); `PushKV`
+(transports "gloo" and "nccl") sends it over a direct channel the decode worker opened with
+`OpenChannel` (`cluster.kv_channel`; this side is rank 0 and hosts the rendezvous TCPStore).
+Both check, before anything is read: the handle is well formed, its capability token is genuine
 (UNAUTHENTICATED), the receiver's layout and the handle's equal ours (FAILED_PRECONDITION), and
 the lease is live (NOT_FOUND: released, expired or unknown). The lease is pinned for the whole
-stream (`LeaseKeeper.begin_fetch` / `end_fetch`) and blocks are read on the engine thread, a
-batch of layers at a time. Fetching does not end the lease; the client calls `ReleaseKV`.
+transfer (`LeaseKeeper.begin_fetch` / `end_fetch`) and blocks are read on the engine thread.
+Fetching does not end the lease; the client calls `ReleaseKV`.
+
+Channels are cached by id and closed after `channel_idle_s` without a transfer, or as soon as
+one breaks (the transfer's receiver then fails with UNAVAILABLE and opens a new channel).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import logging
+import secrets
 from collections.abc import AsyncIterator
 from functools import partial
 
 import grpc
+import torch
+import torch.distributed as dist
 
 from cluster.async_engine import AsyncEngine
 from cluster.engine import Engine
-from cluster.errors import InvalidArgument, NotFound, PdServeError, Unauthenticated
+from cluster.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PdServeError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from cluster.kv_cache import KVLayout
+from cluster.kv_channel import PREFILL_RANK, KVChannel, transport_device
+from cluster.kv_channel_cache import KVChannelCache
 from cluster.kv_handle import KVHandle, layout_from_proto
 from cluster.kv_wire import encode_chunks, unit_bytes
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
@@ -31,6 +51,15 @@ from prefill_worker.lease_keeper import LeaseKeeper
 
 HEADER_SLACK = 4096  # room for the chunk header and protobuf framing above max_chunk_bytes
 MAX_REQUEST_BYTES = 4 << 20  # a FetchKVRequest carries a handle: ~5 bytes per block id
+
+log = logging.getLogger(__name__)
+
+
+class ChannelGone(PdServeError):
+    """PushKV on a channel this server does not hold (closed, evicted or broken). Only on the
+    wire: the client opens a new channel and retries."""
+
+    grpc_code = "ABORTED"
 
 
 class KVServer(KVTransferServicer):
@@ -44,14 +73,24 @@ class KVServer(KVTransferServicer):
         max_chunk_bytes: int,
         *,
         read_batch_bytes: int = 64 << 20,
+        transport: str = "grpc",
+        channel_timeout_s: float = 30.0,
+        channel_idle_s: float = 60.0,
+        max_channels: int = 256,
     ) -> None:
-        """`read_batch_bytes` bounds the KV copied out of the pool per engine-thread call."""
+        """`read_batch_bytes` bounds the KV copied out of the pool per engine-thread call of
+        `FetchKV`. With `transport` "gloo" or "nccl" the server also serves direct channels
+        (InvalidArgument here if this process cannot run it): each joins and sends within
+        `channel_timeout_s`, is closed after `channel_idle_s` unused, and at most
+        `max_channels` are open at once."""
         self.unit_bytes = unit_bytes(layout)
         if max_chunk_bytes < self.unit_bytes:
             raise InvalidArgument(
                 f"max_chunk_bytes={max_chunk_bytes} is below one block of one layer "
                 f"({self.unit_bytes} bytes)"
             )
+        if channel_timeout_s <= 0 or max_channels <= 0:
+            raise InvalidArgument("channel_timeout_s and max_channels must be positive")
         self.engine = async_engine
         self.leases = lease_keeper
         self.layout = layout
@@ -59,8 +98,17 @@ class KVServer(KVTransferServicer):
         self.port = port
         self.max_chunk_bytes = max_chunk_bytes
         self.read_batch_bytes = read_batch_bytes
+        self.transport = transport
+        self.device = (
+            None if transport == "grpc" else transport_device(transport, async_engine.engine.device)
+        )
+        self.channel_timeout_s = channel_timeout_s
+        self.max_channels = max_channels
+        self.channels: KVChannelCache[str] = KVChannelCache(channel_idle_s)
         self.endpoint: str | None = None
         self._server: grpc.aio.Server | None = None
+        self._store: dist.TCPStore | None = None
+        self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> str:
         """Bind and serve; returns the bound "host:port" (port 0 picks a free one)."""
@@ -76,6 +124,8 @@ class KVServer(KVTransferServicer):
         await server.start()
         self._server = server
         self.endpoint = f"{host}:{port}"
+        if self.device is not None:
+            self.channels.start()
         return self.endpoint
 
     async def stop(self, grace: float | None = None) -> None:
@@ -83,6 +133,11 @@ class KVServer(KVTransferServicer):
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)
+        await self.channels.stop()
+        for task in list(self._tasks):  # sends stuck on a closed channel: unpin their leases
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._store = None
 
     # -- RPCs ------------------------------------------------------------------------------
 
@@ -90,21 +145,10 @@ class KVServer(KVTransferServicer):
         self, request: pb.FetchKVRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KVChunk]:
         try:
-            handle = KVHandle.from_proto(request.handle)
-            cap = self.leases.capability
-            if not cap.verify(handle.request_id, handle.block_ids, handle.capability_token):
-                raise Unauthenticated("bad capability token")
-            if not request.HasField("receiver_layout"):
-                raise InvalidArgument("FetchKV needs receiver_layout")
-            self.layout.check_matches(layout_from_proto(request.receiver_layout))
-            self.layout.check_matches(handle.layout)
-            rid = handle.request_id
-            block_ids, num_tokens = await self.leases.begin_fetch(rid, handle.capability_token)
+            rid, block_ids = await self._pin(request)
         except PdServeError as exc:
             await _abort(context, exc)
         try:
-            if block_ids != list(handle.block_ids) or num_tokens != handle.num_tokens:
-                await _abort(context, InvalidArgument("handle does not match its lease"))
             limit = request.max_chunk_bytes or self.max_chunk_bytes
             limit = max(min(limit, self.max_chunk_bytes), self.unit_bytes)
             async for header, data in self._chunks(rid, block_ids, limit):
@@ -113,6 +157,62 @@ class KVServer(KVTransferServicer):
             await _abort(context, exc)
         finally:
             self.leases.end_fetch(rid)
+
+    async def OpenChannel(
+        self, request: pb.OpenChannelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenChannelResponse:
+        try:
+            self._authenticate(request.handle)
+            if self.device is None or request.transport != self.transport:
+                raise FailedPrecondition(
+                    f"this KV server serves {self.transport!r}, not {request.transport!r}"
+                )
+            if len(self.channels) >= self.max_channels:
+                raise ResourceExhausted(f"this KV server holds {self.max_channels} channels")
+            channel = KVChannel(
+                secrets.token_hex(16),
+                self.transport,
+                PREFILL_RANK,
+                self.device,
+                self.channel_timeout_s,
+            )
+            store = self._rendezvous_store()
+        except PdServeError as exc:
+            await _abort(context, exc)
+        channel.busy += 1  # until joined: never evicted half-made
+        channel.joined = self._spawn(self._join(channel, store))
+        self.channels.add(channel.id, channel)
+        return pb.OpenChannelResponse(channel_id=channel.id, store_port=store.port)
+
+    async def PushKV(
+        self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PushKVResponse:
+        try:
+            rid, block_ids = await self._pin(request)
+        except PdServeError as exc:
+            await _abort(context, exc)
+        channel = self.channels.get(request.channel_id)
+        if channel is not None:
+            channel.busy += 1  # not evicted until the send ends
+        try:
+            if channel is None or not await channel.joined or channel.closed:
+                raise ChannelGone(f"no open KV channel {request.channel_id!r}; open a new one")
+            k, v = await self.engine.call(partial(_read_for_send, rid, block_ids, channel.device))
+        except BaseException as exc:
+            if channel is not None:
+                channel.busy -= 1
+            self.leases.end_fetch(rid)
+            if isinstance(exc, PdServeError):
+                await _abort(context, exc)
+            raise
+        tag = channel.next_tag()
+        self._spawn(self._send(channel, rid, k, v, tag))  # ends the fetch, unpins the channel
+        return pb.PushKVResponse(dtype=self.layout.dtype, shape=k.shape, nbytes=k.nbytes, tag=tag)
+
+    async def CloseChannel(
+        self, request: pb.CloseChannelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseChannelResponse:
+        return pb.CloseChannelResponse(closed=self.channels.drop(request.channel_id))
 
     async def ReleaseKV(
         self, request: pb.ReleaseKVRequest, context: grpc.aio.ServicerContext
@@ -126,6 +226,69 @@ class KVServer(KVTransferServicer):
         except PdServeError as exc:
             await _abort(context, exc)
         return pb.ReleaseKVResponse(released=released)
+
+    # -- checks shared by every transport ----------------------------------------------------
+
+    def _authenticate(self, handle_msg: pb.KVHandle) -> KVHandle:
+        handle = KVHandle.from_proto(handle_msg)
+        cap = self.leases.capability
+        if not cap.verify(handle.request_id, handle.block_ids, handle.capability_token):
+            raise Unauthenticated("bad capability token")
+        return handle
+
+    async def _pin(self, request: pb.FetchKVRequest | pb.PushKVRequest) -> tuple[str, list[int]]:
+        """Check a presented handle against the token, the layouts and its lease, then pin the
+        lease: (request id, block ids). The caller owes `leases.end_fetch(request id)`."""
+        handle = self._authenticate(request.handle)
+        if not request.HasField("receiver_layout"):
+            raise InvalidArgument("a KV transfer needs receiver_layout")
+        self.layout.check_matches(layout_from_proto(request.receiver_layout))
+        self.layout.check_matches(handle.layout)
+        rid = handle.request_id
+        block_ids, num_tokens = await self.leases.begin_fetch(rid, handle.capability_token)
+        if block_ids != list(handle.block_ids) or num_tokens != handle.num_tokens:
+            self.leases.end_fetch(rid)
+            raise InvalidArgument("handle does not match its lease")
+        return rid, block_ids
+
+    # -- direct channels ---------------------------------------------------------------------
+
+    def _rendezvous_store(self) -> dist.TCPStore:
+        """The TCPStore every channel of this server rendezvouses in (one port, created on the
+        first OpenChannel; it listens on all interfaces)."""
+        if self._store is None:
+            timeout = datetime.timedelta(seconds=self.channel_timeout_s)
+            self._store = dist.TCPStore(self.host, 0, None, True, timeout, wait_for_workers=False)
+        return self._store
+
+    async def _join(self, channel: KVChannel, store: dist.TCPStore) -> bool:
+        try:
+            await channel.join(lambda: dist.PrefixStore(channel.id, store), self.host)
+            return True
+        except Unavailable as exc:
+            log.warning("KV channel %s was not joined: %s", channel.id, exc.message)
+            self.channels.drop(channel.id, channel)
+            return False
+        finally:
+            channel.busy -= 1
+
+    async def _send(
+        self, channel: KVChannel, request_id: str, k: torch.Tensor, v: torch.Tensor, tag: int
+    ) -> None:
+        try:
+            await channel.send(k, v, tag)
+        except Unavailable as exc:
+            log.warning("KV send of %s failed: %s", request_id, exc.message)
+            self.channels.drop(channel.id, channel)
+        finally:
+            channel.busy -= 1
+            self.leases.end_fetch(request_id)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -147,6 +310,16 @@ def _read(request_id: str, block_ids: list[int], layers: slice, engine: Engine):
     if held != block_ids:
         raise NotFound(f"the KV blocks of request {request_id!r} are no longer held")
     return engine.kv_cache.read(block_ids, layers=layers)
+
+
+def _read_for_send(request_id: str, block_ids: list[int], device: torch.device, engine: Engine):
+    """On the engine thread: the lease's blocks as two contiguous tensors on `device` (the
+    pool's own device under nccl: no host copy), complete before any other stream reads them."""
+    k, v = _read(request_id, block_ids, slice(None), engine)
+    k, v = k.to(device), v.to(device)
+    if k.is_cuda:
+        torch.cuda.current_stream(k.device).synchronize()
+    return k, v
 
 
 def _encode(k, v, max_chunk_bytes: int, layer_offset: int) -> list[tuple[bytes, bytes]]:

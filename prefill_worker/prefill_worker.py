@@ -45,6 +45,8 @@ class PrefillWorker(EngineReplica):
             _bind_host(transfer.host),
             transfer.port,
             transfer.max_chunk_bytes,
+            transport=transfer.transport,
+            channel_timeout_s=transfer.fetch_timeout_seconds,
         )
         self.endpoint = await self.server.start()
         self.draining = False

@@ -92,6 +92,9 @@ def test_kv_transfer_service_shape() -> None:
     assert shapes == {
         "FetchKV": ("FetchKVRequest", "KVChunk", False, True),
         "ReleaseKV": ("ReleaseKVRequest", "ReleaseKVResponse", False, False),
+        "OpenChannel": ("OpenChannelRequest", "OpenChannelResponse", False, False),
+        "PushKV": ("PushKVRequest", "PushKVResponse", False, False),
+        "CloseChannel": ("CloseChannelRequest", "CloseChannelResponse", False, False),
     }
 
 

@@ -79,3 +79,53 @@ class ReleaseKVResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class OpenChannelRequest(_message.Message):
+    __slots__ = ("transport", "handle")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    handle: KVHandle
+    def __init__(self, transport: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+
+class OpenChannelResponse(_message.Message):
+    __slots__ = ("channel_id", "store_port")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    store_port: int
+    def __init__(self, channel_id: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
+
+class PushKVRequest(_message.Message):
+    __slots__ = ("handle", "receiver_layout", "channel_id")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    handle: KVHandle
+    receiver_layout: KVLayout
+    channel_id: str
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., channel_id: _Optional[str] = ...) -> None: ...
+
+class PushKVResponse(_message.Message):
+    __slots__ = ("dtype", "shape", "nbytes", "tag")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    tag: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class CloseChannelRequest(_message.Message):
+    __slots__ = ("channel_id",)
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    def __init__(self, channel_id: _Optional[str] = ...) -> None: ...
+
+class CloseChannelResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: _Optional[bool] = ...) -> None: ...

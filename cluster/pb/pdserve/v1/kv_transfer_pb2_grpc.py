@@ -45,6 +45,21 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.OpenChannel = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/OpenChannel',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.OpenChannelRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.OpenChannelResponse.FromString,
+                _registered_method=True)
+        self.PushKV = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/PushKV',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.PushKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
+                _registered_method=True)
+        self.CloseChannel = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/CloseChannel',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -70,6 +85,38 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenChannel(self, request, context):
+        """Opens a direct channel: the server hosts a TCPStore on `store_port` (same host as its gRPC
+        endpoint) and joins the channel's group as rank 0 in the background, rendezvousing under
+        the key prefix `channel_id`; the caller then joins as rank 1 within the server's timeout.
+        The caller shows any handle of this server with a genuine capability token
+        (UNAUTHENTICATED otherwise). FAILED_PRECONDITION if the server does not serve `transport`;
+        RESOURCE_EXHAUSTED if it holds too many channels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKV(self, request, context):
+        """Sends the KV of one lease over an open channel. The handle and layouts are checked exactly
+        as by `FetchKV`, with the same status codes; ABORTED if the channel is unknown (closed,
+        evicted or broken: open a new one and retry). The response announces the transfer; the
+        server then sends the keys with tag `tag` and the values with tag `tag + 1`, and the caller
+        must post the matching receives. Transfers on one channel run one at a time, in the order
+        of their responses, so the caller issues the next `PushKV` only after its receives end.
+        The lease stays pinned until the send ends; the client calls `ReleaseKV` as after a fetch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseChannel(self, request, context):
+        """Closes a channel (its caller evicted or dropped it). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +129,21 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'OpenChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenChannel,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.OpenChannelRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.OpenChannelResponse.SerializeToString,
+            ),
+            'PushKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.PushKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.SerializeToString,
+            ),
+            'CloseChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseChannel,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +201,87 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/ReleaseKV',
             pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVRequest.SerializeToString,
             pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/OpenChannel',
+            pdserve_dot_v1_dot_kv__transfer__pb2.OpenChannelRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.OpenChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/PushKV',
+            pdserve_dot_v1_dot_kv__transfer__pb2.PushKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/CloseChannel',
+            pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,

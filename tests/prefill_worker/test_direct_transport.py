@@ -1,0 +1,306 @@
+"""The direct KV transports end to end: a real KVServer on loopback in front of a real prefill
+engine, a DirectKVClient, real two-rank torch.distributed groups (gloo here; nccl behind the
+`gpu` marker), and a real decode engine that imports the KV and decodes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.async_engine import AsyncEngine
+from cluster.capability import Capability
+from cluster.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.direct_kv_client import DirectKVClient
+from cluster.engine import Engine
+from cluster.errors import FailedPrecondition, InvalidArgument, Unauthenticated, Unavailable
+from cluster.kv_channel import transport_device
+from cluster.kv_handle import KVHandle
+from prefill_worker.kv_server import KVServer
+from prefill_worker.lease_keeper import LeaseKeeper
+from tests.prefill_worker import test_kv_server
+from tests.prefill_worker.test_kv_server import (
+    BLOCK_SIZE,
+    MAX_CHUNK_BYTES,
+    Pair,
+    colocated,
+    prompt,
+    run,
+)
+
+llama_dir = test_kv_server.llama_dir  # the same module-scoped checkpoint fixture
+
+
+@dataclass
+class DirectPair(Pair):
+    """`Pair` over a direct transport: its handles name the transport, its client is direct."""
+
+    client: DirectKVClient
+    transport: str = "gloo"
+
+    async def prefill_handle(self, rid: str, ids: tuple[int, ...]) -> KVHandle:
+        return replace(await super().prefill_handle(rid, ids), transport=self.transport)
+
+
+@asynccontextmanager
+async def direct_pair(
+    path: Path,
+    transport: str = "gloo",
+    *,
+    devices: tuple[str, str] = ("cpu", "cpu"),
+    lease_seconds: float = 30.0,
+    expiry_interval: float | None = None,
+    idle_seconds: float = 60.0,
+    timeout_s: float = 30.0,
+) -> AsyncIterator[DirectPair]:
+    def engine(device: str) -> AsyncEngine:
+        cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=32)
+        return AsyncEngine(Engine(EngineConfig(ModelConfig(str(path), device=device), cache)))
+
+    prefill, decode = engine(devices[0]), engine(devices[1])
+    prefill.start()
+    decode.start()
+    leases = LeaseKeeper(prefill, lease_seconds, Capability(b"test-secret"))
+    if expiry_interval is not None:
+        leases.start(expiry_interval)
+    server = KVServer(
+        prefill,
+        leases,
+        prefill.engine.layout,
+        "127.0.0.1",
+        0,
+        MAX_CHUNK_BYTES,
+        transport=transport,
+        channel_timeout_s=timeout_s,
+        channel_idle_s=idle_seconds,
+    )
+    endpoint = await server.start()
+    client = DirectKVClient(
+        transport,
+        decode.engine.device,
+        MAX_CHUNK_BYTES,
+        timeout_s,
+        max_blocks=32,
+        idle_seconds=idle_seconds,
+    )
+    p = DirectPair(prefill, decode, leases, server, client, endpoint, transport)
+    try:
+        yield p
+        await _settle(p)
+        assert leases.outstanding() == 0
+        assert await p.used_blocks() == (0, 0), "KV blocks leaked"
+    finally:
+        await client.close()
+        await server.stop(0)
+        await leases.stop()
+        await prefill.stop()
+        await decode.stop()
+
+
+async def _settle(p: DirectPair) -> None:
+    """Sends end on the server a moment after the receiver has the data."""
+    for _ in range(200):
+        if p.leases.outstanding() == 0 and not p.server._tasks:
+            return
+        await asyncio.sleep(0.01)
+
+
+# -- the happy path ----------------------------------------------------------------------
+
+
+def test_pushed_kv_decodes_like_a_colocated_run_over_one_cached_group(llama_dir: Path) -> None:
+    prompts = {"r-long": prompt(40, 1), "r-exact": prompt(32, 2), "r-short": prompt(3, 3)}
+
+    async def main() -> dict[str, list[int]]:
+        async with direct_pair(llama_dir) as p:
+            handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
+            # Bit-exact with the prefill pool's own export.
+            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            got = await p.client.fetch(handles["r-long"], p.decode.engine.layout)
+            assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+            assert got.num_tokens == 40 and tuple(got.k.shape[:2]) == (2, 3)
+            (channel,) = p.client.channels._channels.values()
+            assert len(p.server.channels) == 1
+            # Concurrent fetches over the same pair share (and queue on) the cached group.
+            tokens = await asyncio.gather(
+                *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
+            )
+            assert p.client.channels.get(p.endpoint) is channel and not channel.closed
+            assert len(p.server.channels) == 1
+            assert (p.leases.granted, p.leases.fetched, p.leases.expired) == (3, 3, 0)
+            # A fetch after release finds no lease (NOT_FOUND on the wire) and keeps the group.
+            with pytest.raises(Unavailable, match="expired or was released"):
+                await p.client.fetch(handles["r-long"], p.decode.engine.layout)
+            assert p.client.channels.get(p.endpoint) is channel
+            return dict(zip(prompts, tokens, strict=True))
+
+    got = run(main())
+    for rid, ids in prompts.items():
+        assert got[rid] == colocated(llama_dir, rid, ids), rid
+
+
+def test_idle_groups_are_evicted_on_both_sides_and_reopened(llama_dir: Path) -> None:
+    async def main() -> None:
+        async with direct_pair(llama_dir, idle_seconds=0.3) as p:
+            ids = prompt(20, 4)
+            assert await p.fetch_and_decode(await p.prefill_handle("r1", ids), ids) == colocated(
+                llama_dir, "r1", ids
+            )
+            old = p.client.channels.get(p.endpoint)
+            assert old is not None and len(p.server.channels) == 1
+            await asyncio.sleep(1.0)
+            assert len(p.client.channels) == 0 and len(p.server.channels) == 0
+            assert old.closed and p.client.channels.evicted == 1
+            tokens = await p.fetch_and_decode(await p.prefill_handle("r2", ids), ids)
+            assert tokens == colocated(llama_dir, "r2", ids)
+            new = p.client.channels.get(p.endpoint)
+            assert new is not None and new.id != old.id
+
+    run(main())
+
+
+def test_a_group_the_server_dropped_is_reopened_once(llama_dir: Path) -> None:
+    async def main() -> None:
+        async with direct_pair(llama_dir) as p:
+            ids = prompt(20, 5)
+            await p.fetch_and_decode(await p.prefill_handle("r1", ids), ids)
+            old = p.client.channels.get(p.endpoint)
+            # The prefill side closes its end (as after an idle eviction or a failed send).
+            assert p.server.channels.drop(old.id)
+            tokens = await p.fetch_and_decode(await p.prefill_handle("r2", ids), ids)
+            assert tokens == colocated(llama_dir, "r2", ids)
+            new = p.client.channels.get(p.endpoint)
+            assert old.closed and new is not old and len(p.server.channels) == 1
+
+    run(main())
+
+
+def test_a_broken_group_fails_the_transfer_as_unavailable(llama_dir: Path) -> None:
+    async def main() -> None:
+        async with direct_pair(llama_dir, timeout_s=1.0) as p:
+            ids = prompt(20, 6)
+            await p.fetch_and_decode(await p.prefill_handle("r1", ids), ids)
+            # The prefill side's group dies but its channel is still listed: the push is
+            # accepted, the send fails there, the receive times out here.
+            server_end = p.server.channels.get(p.client.channels.get(p.endpoint).id)
+            server_end._worker.submit(server_end._teardown).result()
+            handle = await p.prefill_handle("r2", ids)
+            with pytest.raises(Unavailable, match="broke"):
+                await p.client.fetch(handle, p.decode.engine.layout)
+            assert len(p.client.channels) == 0 and len(p.server.channels) == 0
+            # The lease survived; the next fetch opens a new group.
+            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r2", ids)
+
+    run(main())
+
+
+# -- refusals, each followed by a good fetch ----------------------------------------------
+
+
+def test_wrong_token_is_unauthenticated_before_and_after_the_group_exists(
+    llama_dir: Path,
+) -> None:
+    async def main() -> None:
+        async with direct_pair(llama_dir) as p:
+            ids = prompt(20, 7)
+            handle = await p.prefill_handle("r1", ids)
+            forged = replace(handle, capability_token=bytes(32))
+            with pytest.raises(Unauthenticated):  # refused by OpenChannel
+                await p.client.fetch(forged, p.decode.engine.layout)
+            assert len(p.client.channels) == 0 and len(p.server.channels) == 0
+            other = replace(handle, capability_token=Capability(b"x").token("r1", handle.block_ids))
+            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
+            handle = await p.prefill_handle("r2", ids)
+            with pytest.raises(Unauthenticated):  # refused by PushKV; the group stays
+                await p.client.fetch(replace(other, request_id="r2"), p.decode.engine.layout)
+            assert len(p.client.channels) == 1
+            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r2", ids)
+
+    run(main())
+
+
+def test_fetch_after_expiry_is_unavailable(llama_dir: Path) -> None:
+    async def main() -> None:
+        async with direct_pair(llama_dir, lease_seconds=0.2, expiry_interval=0.05) as p:
+            ids = prompt(40, 8)
+            handle = await p.prefill_handle("r1", ids)
+            await asyncio.sleep(0.5)
+            assert await p.used_blocks() == (0, 0) and p.leases.expired == 1
+            with pytest.raises(Unavailable, match="expired"):
+                await p.client.fetch(handle, p.decode.engine.layout)
+            assert not await p.client.release(handle, "fetched")
+            handle = await p.prefill_handle("r2", ids)
+            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r2", ids)
+
+    run(main())
+
+
+def test_layout_mismatch_is_a_failed_precondition(llama_dir: Path) -> None:
+    async def main() -> None:
+        async with direct_pair(llama_dir) as p:
+            ids = prompt(40, 9)
+            handle = await p.prefill_handle("r1", ids)
+            # Caught on the decode side, before any network call.
+            other = replace(p.decode.engine.layout, block_size=32)
+            offline = replace(handle, endpoint="127.0.0.1:1")
+            with pytest.raises(FailedPrecondition, match="block_size"):
+                await p.client.fetch(offline, other)
+            # A handle claiming the receiver's (different) layout: the server refuses it.
+            other = replace(p.decode.engine.layout, model_id="another-model@123")
+            with pytest.raises(FailedPrecondition, match="model_id"):
+                await p.client.fetch(replace(handle, layout=other), other)
+            # A handle of another direct transport.
+            with pytest.raises(FailedPrecondition, match="nccl"):
+                await p.client.fetch(replace(handle, transport="nccl"), p.decode.engine.layout)
+            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
+
+    run(main())
+
+
+def test_grpc_handles_still_travel_over_grpc(llama_dir: Path) -> None:
+    async def main() -> None:
+        async with direct_pair(llama_dir) as p:
+            ids = prompt(20, 10)
+            handle = replace(await p.prefill_handle("r1", ids), transport="grpc")
+            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
+            assert len(p.client.channels) == 0 and len(p.server.channels) == 0
+
+    run(main())
+
+
+def test_nccl_is_refused_where_it_cannot_run() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: nccl can run")
+    with pytest.raises(InvalidArgument, match="nccl"):
+        transport_device("nccl", torch.device("cpu"))
+
+
+# -- nccl ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_nccl_moves_gpu_kv_between_two_devices(llama_dir: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL refuses two ranks on one GPU: needs two devices")
+    prompts = {"r-long": prompt(40, 11), "r-short": prompt(3, 12)}
+
+    async def main() -> dict[str, list[int]]:
+        async with direct_pair(llama_dir, "nccl", devices=("cuda:0", "cuda:1")) as p:
+            handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
+            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            got = await p.client.fetch(handles["r-long"], p.decode.engine.layout)
+            assert got.k.device == torch.device("cuda:1")  # straight into GPU memory
+            assert torch.equal(got.k.cpu(), want.k.cpu()) and torch.equal(got.v.cpu(), want.v.cpu())
+            tokens = await asyncio.gather(
+                *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
+            )
+            return dict(zip(prompts, tokens, strict=True))
+
+    got = run(main())
+    for rid, ids in prompts.items():
+        assert got[rid] == colocated(llama_dir, rid, ids), rid

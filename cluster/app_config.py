@@ -95,6 +95,8 @@ class AppConfig:
             raise InvalidArgument("default_max_tokens and request_timeout_seconds must be > 0")
         if self.max_retries < 0:
             raise InvalidArgument("max_retries must be >= 0")
+        if self.transfer.transport == "nccl" and not self.model.device.startswith("cuda"):
+            raise InvalidArgument("transport nccl moves KV between GPUs: it needs device cuda")
 
     def resolved(self) -> AppConfig:
         """Fill what is derived at build time: the capability secret (one per application)

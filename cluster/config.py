@@ -76,13 +76,17 @@ class TransferConfig:
     lease_seconds: float = 30.0
     max_chunk_bytes: int = 1 << 20
     fetch_timeout_seconds: float = 30.0
+    # gloo/nccl: a (prefill, decode) pair's process group is closed after this long unused.
+    channel_idle_seconds: float = 60.0
     secret: str = ""
 
     def __post_init__(self) -> None:
         if self.transport not in ("grpc", "gloo", "nccl"):
             raise InvalidArgument(f"transport must be grpc, gloo or nccl, got {self.transport!r}")
-        if self.lease_seconds <= 0 or self.fetch_timeout_seconds <= 0:
-            raise InvalidArgument("lease_seconds and fetch_timeout_seconds must be positive")
+        if min(self.lease_seconds, self.fetch_timeout_seconds, self.channel_idle_seconds) <= 0:
+            raise InvalidArgument(
+                "lease_seconds, fetch_timeout_seconds and channel_idle_seconds must be positive"
+            )
         if not 4096 <= self.max_chunk_bytes <= 3 << 20:
             raise InvalidArgument("max_chunk_bytes must be in [4 KiB, 3 MiB] (gRPC limit is 4 MiB)")
         if not 0 <= self.port < 65536:

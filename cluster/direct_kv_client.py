@@ -52,7 +52,13 @@ def make_kv_client(transfer: TransferConfig, device: torch.device, max_blocks: i
     args = (transfer.max_chunk_bytes, transfer.fetch_timeout_seconds)
     if transfer.transport == "grpc":
         return GrpcKVClient(*args, max_blocks=max_blocks)
-    return DirectKVClient(transfer.transport, device, *args, max_blocks=max_blocks)
+    return DirectKVClient(
+        transfer.transport,
+        device,
+        *args,
+        max_blocks=max_blocks,
+        idle_seconds=transfer.channel_idle_seconds,
+    )
 
 
 class DirectKVClient(GrpcKVClient):

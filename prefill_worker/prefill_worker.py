@@ -47,6 +47,7 @@ class PrefillWorker(EngineReplica):
             transfer.max_chunk_bytes,
             transport=transfer.transport,
             channel_timeout_s=transfer.fetch_timeout_seconds,
+            channel_idle_s=transfer.channel_idle_seconds,
         )
         self.endpoint = await self.server.start()
         self.draining = False

@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--local", action="store_true", help="run the engine in this process")
     gen.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded tiny)")
     gen.add_argument("--target", default="127.0.0.1:9000", help="gRPC address of a cluster")
+    gen.add_argument("--application", default=None, help="Serve application (if several)")
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
@@ -57,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="pools, replicas and KV usage of a running cluster")
     st.add_argument("--target", default="127.0.0.1:9000")
-    st.set_defaults(func=lambda a: _status(a.target))
+    st.add_argument("--application", default=None, help="Serve application (if several)")
+    st.set_defaults(func=lambda a: _status(a.target, a.application))
     return p
 
 
@@ -67,10 +69,10 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
-def _status(target: str) -> int:
+def _status(target: str, application: str | None) -> int:
     from cluster.grpc_client import print_status
 
-    return print_status(target)
+    return print_status(target, application)
 
 
 def _make_model(args: argparse.Namespace) -> int:

@@ -20,6 +20,12 @@ def connect(target: str) -> pb_grpc.GenerationStub:
     return pb_grpc.GenerationStub(grpc.insecure_channel(target))
 
 
+def app_metadata(application: str | None) -> tuple[tuple[str, str], ...]:
+    """Serve's gRPC proxy picks the application by this metadata key (needed when a Serve
+    instance runs more than one)."""
+    return (("application", application),) if application else ()
+
+
 def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> int:
     sampling = pb.SamplingParams(
         top_k=args.top_k,
@@ -39,7 +45,8 @@ def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> in
     text = []
     last = None
     try:
-        for msg in connect(args.target).Generate(request):
+        stub = connect(args.target)
+        for msg in stub.Generate(request, metadata=app_metadata(args.application)):
             ids.extend(msg.token_ids)
             text.append(msg.text)
             last = msg
@@ -66,11 +73,12 @@ def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> in
     return 0
 
 
-def print_status(target: str) -> int:
+def print_status(target: str, application: str | None = None) -> int:
     stub = connect(target)
+    metadata = app_metadata(application)
     try:
-        info = stub.GetModelInfo(pb.GetModelInfoRequest())
-        stats = stub.GetStats(pb.GetStatsRequest())
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata)
+        stats = stub.GetStats(pb.GetStatsRequest(), metadata=metadata)
     except grpc.RpcError as e:
         print(f"error ({e.code().name}): {e.details()}", file=sys.stderr)
         return 2

@@ -277,3 +277,25 @@ def test_model_info(apps):
     info = stub(apps).GetModelInfo(pb.GetModelInfoRequest(), metadata=app_metadata(PD))
     assert info.vocab_size == 4096 and info.block_size == 16 and info.mode == "disaggregated"
     assert info.max_context_length == 2048 and info.model_id.startswith("tiny@")
+
+
+def test_cli_generate_and_status_against_the_cluster(apps, capsys):
+    import json
+
+    from cluster.cli import main
+
+    target = ["--target", apps.grpc_target, "--application", PD]
+    ids = "5,6,7,8"
+    assert main(["generate", *target, "--json", "--max-tokens", "6", "--temperature", "0",
+                 "--ignore-eos", "--prompt-token-ids", ids]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    msgs, _ = generate(apps, PD, prompt_token_ids=[5, 6, 7, 8], sampling=greedy_sampling(6))
+    assert out["token_ids"] == tokens(msgs) and out["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 6 and out["timing"]["prefill_replica"]
+    wait_for_idle(apps, PD, {"prefill", "decode"})
+    assert main(["status", *target]) == 0
+    table = capsys.readouterr().out
+    for word in ("prefill", "decode", "Prefill", "Decode", "kv used"):
+        assert word in table
+    assert main(["generate", *target, "--prompt-token-ids", "999999"]) == 2
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err

@@ -1,0 +1,39 @@
+"""`pdserve make-model` and `pdserve generate --local` drive the real engine in-process."""
+
+from __future__ import annotations
+
+import json
+
+from cluster.cli import main
+from cluster.config import EngineConfig, ModelConfig
+from cluster.engine import Engine
+from cluster.request import Request
+from cluster.sampling_params import SamplingParams
+
+
+def test_make_model_then_generate_local_json(tmp_path, capsys):
+    out_dir = tmp_path / "tiny"
+    assert main(["make-model", "--preset", "tiny", str(out_dir)]) == 0
+    assert (out_dir / "config.json").is_file()
+    capsys.readouterr()
+    args = ["generate", "--local", "--model", str(out_dir), "--json", "--max-tokens", "5"]
+    assert main([*args, "--temperature", "0", "--ignore-eos", "--prompt-token-ids", "9,8,7"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    engine = Engine(EngineConfig(ModelConfig(str(out_dir))))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    (want,) = engine.generate([Request("r", (9, 8, 7), params)])
+    assert got["token_ids"] == want.token_ids and got["text"] == want.text
+    assert got["finish_reason"] == "length" and got["usage"]["prompt_tokens"] == 3
+
+    assert main(["generate", "--local", "--model", str(out_dir), "--max-tokens", "4", "Hi"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_generate_local_bad_input_is_a_clear_error(tmp_path, capsys):
+    out_dir = tmp_path / "tiny"
+    main(["make-model", str(out_dir)])
+    capsys.readouterr()
+    args = ["generate", "--local", "--model", str(out_dir), "--prompt-token-ids", "1,2"]
+    assert main([*args, "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "INVALID_ARGUMENT" in err and "temperature" in err

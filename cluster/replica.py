@@ -20,7 +20,7 @@ from cluster.pool_messages import ReplicaStats
 from cluster.stats_registry import registry
 
 log = logging.getLogger(__name__)
-REPORT_INTERVAL_S = 0.25
+REPORT_INTERVAL_S = 1.0
 
 
 def replica_id() -> str:

@@ -106,7 +106,7 @@ def app_metadata(name: str) -> tuple[tuple[str, str], ...]:
 
 def wait_for_idle(ends: ServeEndpoints, app: str, pools: set[str], timeout: float = 20.0):
     """Poll GetStats until every replica of `pools` reports zero used and leased blocks.
-    Stats are pushed every 0.25 s, so a leak shows up as a timeout, never as a pass."""
+    Stats are pushed every second, so a leak shows up as a timeout, never as a pass."""
     s = stub(ends)
     deadline = time.monotonic() + timeout
     while True:

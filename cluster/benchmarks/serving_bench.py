@@ -1,0 +1,737 @@
+"""What serving through Ray Serve costs on top of the engine, and what moving the KV costs.
+
+    python -m cluster.benchmarks.serving_bench [--out FILE] [--quick] [--grpc-port PORT]
+
+On one checkpoint (`small` by default, `tiny` with `--quick`), fp32 on CPU, one run prints:
+
+1. decode time per output token of a batch-1 greedy `ignore_eos` generation with a short
+   prompt: in this process (`Engine.step()` loop, same engine config, torch threads and CPU
+   priority as the replicas) and through the deployed app over Serve's gRPC proxy
+   (client-side, from the arrival times of the streamed messages), disaggregated and
+   colocated. Both count the steps after the second output token, so neither the prefill nor
+   the KV transfer is in the number. Runs are interleaved (in-process, disaggregated,
+   colocated, repeat) so a change in machine load hits all three alike; the added latency is
+   the median of the paired differences. The CPU time each process spends per output token
+   (read from /proc) shows where the serving path's time goes.
+2. KV transfer throughput on loopback: `GrpcKVClient.fetch` from this process of a prompt's KV
+   held by the real prefill replica (via the `Prefill` deployment's handle), bytes being the
+   assembled K and V tensors' `nbytes`.
+3. KV transfer as a share of TTFT, from the `timing` of the final `GenerateResponse`.
+
+Without `--grpc-port` it starts its own local Ray and Serve and shuts them down at the end;
+with it, it uses the Serve already running in this process's Ray (e.g. a test session's) and
+only deploys and deletes its own two apps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import random
+import re
+import socket
+import statistics
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+import torch
+
+from cluster.app_config import AppConfig, PoolConfig
+from cluster.config import CacheConfig, ModelConfig, SchedulerConfig, TransferConfig
+from cluster.engine import Engine
+from cluster.grpc_kv_client import GrpcKVClient
+from cluster.make_model import FORMAT_VERSION, make_model
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.request import Request
+from cluster.sampling_params import SamplingParams
+
+ADDED_LATENCY_TARGET_S = 1e-3  # per output token, served vs in-process
+TRANSFER_SHARE_TARGET = 0.10  # KV transfer time / TTFT
+APP, APP_COLOCATED = "bench", "bench-co"
+MODES = {"disaggregated": APP, "colocated": APP_COLOCATED}
+TTFT_TOKENS = 2  # the prefill's token, then one decode step after the KV transfer
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model_dir: Path
+    preset: str
+    decode_tokens: int  # N: output tokens of the decode-latency runs
+    short_prompt: int  # prompt tokens of the decode-latency runs
+    long_prompts: tuple[int, ...]  # prompt tokens of the KV transfer / TTFT runs
+    repeats: int
+    fetches: int  # timed fetches of each held prompt
+    torch_threads: int
+    replica_cpus: float
+    block_size: int
+    num_blocks: int
+    chunk_tokens: int  # scheduler token budget per step: longer prompts are prefilled in chunks
+    max_chunk_bytes: int  # KV transfer chunk size
+    colocated: bool
+    worker_niceness: int  # RAY_worker_niceness of a Ray this script starts itself
+    seed: int
+
+
+@dataclass
+class Results:
+    cfg: BenchConfig
+    app: AppConfig
+    inproc_s: list[float] = field(default_factory=list)  # per token, one value per run
+    inproc_cpu_s: list[float] = field(default_factory=list)  # CPU per token, one per run
+    served_s: dict[str, list[float]] = field(default_factory=dict)  # mode -> per token per run
+    # mode -> process -> CPU seconds per output token, one value per run
+    served_cpu_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    incl_transfer_s: list[float] = field(default_factory=list)  # (total - TTFT) / (N - 1)
+    fetch: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # len -> (B, s)
+    ttft: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # len -> timings
+    niceness: dict[str, int] = field(default_factory=dict)  # process -> nice
+    load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    started: str = ""
+    elapsed_s: float = 0.0
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny preset, short prompts")
+    p.add_argument("--out", type=Path, default=None, help="also write the Markdown report here")
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=0,
+        help="use the Serve already running in this process's Ray, whose gRPC proxy is on "
+        "this port (default: start a local Ray and Serve, and shut them down after)",
+    )
+    p.add_argument("--model-dir", type=Path, default=None, help="checkpoint dir; built if absent")
+    p.add_argument("--decode-tokens", type=int, default=None, help="default 64 (12 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="default 7 (2 with --quick)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, replicas and baseline")
+    p.add_argument("--no-colocated", action="store_true", help="skip the colocated app")
+    p.add_argument(
+        "--worker-niceness",
+        type=int,
+        default=0,
+        help="nice value of the Ray workers when this script starts Ray (Ray's own default is "
+        "15, which starves the replicas on a machine shared with other work); the in-process "
+        "baseline always runs at the decode replica's nice value",
+    )
+    a = p.parse_args(argv)
+    q = a.quick
+    preset = "tiny" if q else "small"
+    decode_tokens = a.decode_tokens or (12 if q else 64)
+    if decode_tokens < 4:
+        p.error("--decode-tokens must be >= 4")
+    # The presets' max_position_embeddings is 2048 and the context includes the generated
+    # tokens. A 2047-token prompt finishes on the prefill's token ("length"), so no KV ever
+    # moves; 2046 tokens is the longest prompt that is handed to decode (same 128 KV blocks).
+    long_prompts = (32, 126) if q else (512, 2046)
+    chunk_tokens = 64 if q else 512
+    need = -(-(max(long_prompts) + decode_tokens) // 16)
+    cfg = BenchConfig(
+        model_dir=(a.model_dir or _model_dir(preset)).expanduser().absolute(),
+        preset=preset,
+        decode_tokens=decode_tokens,
+        short_prompt=16,
+        long_prompts=long_prompts,
+        repeats=a.repeats or (2 if q else 7),
+        fetches=2 if q else 5,
+        torch_threads=a.threads,
+        replica_cpus=0.25 if q else 1.0,
+        block_size=16,
+        num_blocks=2 * need + 8,  # a held lease and a decoding copy of the longest prompt
+        chunk_tokens=chunk_tokens,
+        max_chunk_bytes=TransferConfig().max_chunk_bytes,
+        colocated=not a.no_colocated,
+        worker_niceness=a.worker_niceness,
+        seed=0,
+    )
+    return a, cfg
+
+
+def app_config(cfg: BenchConfig) -> AppConfig:
+    pool = PoolConfig(
+        num_cpus=cfg.replica_cpus,
+        torch_threads=cfg.torch_threads,
+        cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=cfg.chunk_tokens),
+    )
+    return AppConfig(
+        model=ModelConfig(path=str(cfg.model_dir), dtype="float32", device="cpu"),
+        router=replace(pool, num_cpus=min(cfg.replica_cpus, 0.5)),
+        prefill=pool,
+        decode=pool,
+        transfer=TransferConfig(
+            lease_seconds=120.0, max_chunk_bytes=cfg.max_chunk_bytes, fetch_timeout_seconds=120.0
+        ),
+        default_max_tokens=cfg.decode_tokens,
+        name=APP,
+    )
+
+
+def _model_dir(preset: str) -> Path:
+    root = os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve"
+    return Path(root).expanduser().absolute() / "models" / f"{preset}-{FORMAT_VERSION}"
+
+
+def _ensure_model(cfg: BenchConfig) -> None:
+    if not (cfg.model_dir / "config.json").is_file():
+        try:
+            make_model(cfg.preset, cfg.model_dir, seed=0)
+        except FileExistsError:  # a concurrent build won
+            pass
+
+
+# -- the processes of our Ray, from /proc ------------------------------------------------------
+
+_ROLE = re.compile(r"(?:ServeReplica:|SERVE_REPLICA::)([\w-]+)[:#](\w+)")
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat fields after the command name: [0] state, [1] ppid, [11] utime,
+    [12] stime, [16] nice."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def serving_processes() -> dict[str, int]:
+    """pid of the gRPC proxy and of each replica of our apps ("proxy", "disaggregated/Decode",
+    ...), found among the workers of the raylet this process started. Empty if this process did
+    not start its Ray (then no CPU accounting is reported)."""
+    ppid: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid[int(entry.name)] = int(_stat(int(entry.name))[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    raylets = [p for p, pp in ppid.items() if pp == os.getpid() and _comm(p) == "raylet"]
+    apps = {name: mode for mode, name in MODES.items()}
+    found: dict[str, int] = {}
+    for pid, parent in ppid.items():
+        if parent not in raylets:
+            continue
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if title.startswith("ray::ProxyActor"):
+            found["proxy"] = pid
+        elif (m := _ROLE.search(title)) and m.group(1) in apps:
+            found[f"{apps[m.group(1)]}/{m.group(2)}"] = pid
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            f = _stat(pid)
+            out[name] = (int(f[11]) + int(f[12])) / tick
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def niceness(pid: int) -> int | None:
+    try:
+        return int(_stat(pid)[16])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# -- measurements ------------------------------------------------------------------------------
+
+
+def per_token(times: list[float]) -> float:
+    """Mean decode step from the arrival times of output tokens 2..N (token 1 is the prefill's;
+    the gap to token 2 holds the KV transfer in disaggregated mode)."""
+    return (times[-1] - times[1]) / (len(times) - 2)
+
+
+def inproc_decode(engine: Engine, prompt: list[int], n: int) -> tuple[float, float]:
+    """(seconds, CPU seconds of this thread) per output token over tokens 2..N."""
+    rid = uuid.uuid4().hex
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    engine.add_request(Request(rid, tuple(prompt), params))
+    times: list[float] = []
+    cpu: list[float] = []
+    while engine.has_work():
+        for out in engine.step():
+            now, now_cpu = time.perf_counter(), time.thread_time()
+            times.extend(now for _ in out.token_ids)
+            cpu.extend(now_cpu for _ in out.token_ids)
+    assert len(times) == n, f"in-process run made {len(times)} tokens, not {n}"
+    return per_token(times), per_token(cpu)
+
+
+@dataclass(frozen=True)
+class Stream:
+    call_at: float
+    token_times: list[float]  # arrival time of each token (messages carry one token each)
+    last: pb.GenerateResponse
+
+
+def served_generate(stub, app: str, prompt: list[int], n: int) -> Stream:
+    sampling = pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+    times: list[float] = []
+    last = None
+    start = time.perf_counter()
+    for msg in stub.Generate(request, metadata=(("application", app),)):
+        now = time.perf_counter()
+        times.extend(now for _ in msg.token_ids)
+        last = msg
+    assert last is not None and len(times) == n, f"{app}: got {len(times)} tokens, not {n}"
+    return Stream(start, times, last)
+
+
+def wait_ready(stub, app: str, prompt: list[int], timeout: float = 120.0) -> None:
+    """The proxy learns routes a little after `serve.run` returns: retry until one request
+    goes through."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            served_generate(stub, app, prompt, 4)
+            return
+        except grpc.RpcError as e:
+            if time.monotonic() > deadline or e.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.NOT_FOUND,
+            ):
+                raise
+            time.sleep(0.5)
+
+
+async def timed_fetches(prefill, cfg: BenchConfig, app: AppConfig, engine: Engine, n_tok: int):
+    """Prefill one prompt on the real replica, fetch its held KV `1 + cfg.fetches` times (the
+    first is a warm-up), release it. Returns [(bytes, seconds)] of the timed fetches."""
+    prompt = make_prompt(cfg, engine, n_tok, salt=n_tok)
+    params = SamplingParams(max_tokens=cfg.decode_tokens, temperature=0.0, ignore_eos=True)
+    result = await prefill.prefill.remote(Request(uuid.uuid4().hex, tuple(prompt), params))
+    handle = result.handle
+    assert handle is not None, f"a {n_tok}-token prompt finished in prefill: no KV to fetch"
+    client = GrpcKVClient(
+        app.transfer.max_chunk_bytes,
+        app.transfer.fetch_timeout_seconds,
+        max_blocks=app.decode.cache.num_blocks,
+    )
+    out = []
+    try:
+        for i in range(1 + cfg.fetches):
+            t = time.perf_counter()
+            kv = await client.fetch(handle, engine.layout)
+            seconds = time.perf_counter() - t
+            if i:
+                out.append((kv.k.nbytes + kv.v.nbytes, seconds))
+            del kv
+    finally:
+        await client.release(handle, "fetched")
+        await client.close()
+    return out
+
+
+def make_prompt(cfg: BenchConfig, engine: Engine, n: int, salt: int = 0) -> list[int]:
+    rng = random.Random(cfg.seed * 1000003 + salt)
+    # Skip the low ids, where make_model's tokenizers keep their special tokens.
+    return [rng.randrange(16, engine.info.spec.vocab_size) for _ in range(n)]
+
+
+def _set_thread_niceness(nice: int | None) -> None:
+    """Linux niceness is per thread: give the baseline's thread the replicas' priority."""
+    if nice is None:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError as e:  # lowering it needs privileges; the report shows what we got
+        log(f"could not set the baseline thread's niceness to {nice}: {e}")
+
+
+def _thread_niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def run(grpc_port: int, cfg: BenchConfig) -> Results:
+    """Deploy the benchmark's apps on the running Serve, measure, delete them again."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    _ensure_model(cfg)
+    app = app_config(cfg)
+    res = Results(cfg, app, started=datetime.datetime.now().astimezone().isoformat("T", "seconds"))
+    res.load_before = os.getloadavg()
+    began = time.perf_counter()
+    old_threads = torch.get_num_threads()
+    modes = ["disaggregated"] + (["colocated"] if cfg.colocated else [])
+    baseline: ThreadPoolExecutor | None = None
+    try:
+        log(f"deploying {', '.join(MODES[m] for m in modes)} ({cfg.preset}: {cfg.model_dir})")
+        serve.run(build_app(app), name=APP, route_prefix=f"/{APP}")
+        if cfg.colocated:
+            co = replace(app, mode="colocated", name=APP_COLOCATED)
+            serve.run(build_app(co), name=APP_COLOCATED, route_prefix=f"/{APP_COLOCATED}")
+        procs = serving_processes()
+        res.niceness = {k: v for k, pid in procs.items() if (v := niceness(pid)) is not None}
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        baseline = ThreadPoolExecutor(
+            1,
+            initializer=_set_thread_niceness,
+            initargs=(res.niceness.get("disaggregated/Decode"),),
+        )
+        res.niceness["in-process baseline"] = baseline.submit(_thread_niceness).result()
+        engine = Engine(app.engine_config("colocated"))
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        short = make_prompt(cfg, engine, cfg.short_prompt)
+        n = cfg.decode_tokens
+
+        for m in modes:
+            wait_ready(stub, MODES[m], short)
+        # Warm-up: one full run of each, so no first-call cost lands in the numbers.
+        baseline.submit(inproc_decode, engine, short, n).result()
+        for m in modes:
+            served_generate(stub, MODES[m], short, n)
+
+        res.served_s = {m: [] for m in modes}
+        res.served_cpu_s = {m: {} for m in modes}
+        for r in range(cfg.repeats):
+            wall, cpu = baseline.submit(inproc_decode, engine, short, n).result()
+            res.inproc_s.append(wall)
+            res.inproc_cpu_s.append(cpu)
+            for m in modes:
+                mine = {k: pid for k, pid in procs.items() if k == "proxy" or k.startswith(m)}
+                before, client_before = cpu_seconds(mine), time.process_time()
+                s = served_generate(stub, MODES[m], short, n)
+                after, client_after = cpu_seconds(mine), time.process_time()
+                res.served_s[m].append(per_token(s.token_times))
+                cpu_per_token = {k: (after[k] - before[k]) / n for k in before if k in after}
+                cpu_per_token["client (this process)"] = (client_after - client_before) / n
+                for k, v in cpu_per_token.items():
+                    res.served_cpu_s[m].setdefault(k, []).append(v)
+                if m == "disaggregated":
+                    t = s.last.timing
+                    res.incl_transfer_s.append(
+                        (t.total_seconds - t.time_to_first_token_seconds) / (n - 1)
+                    )
+            log(
+                f"decode run {r + 1}/{cfg.repeats}: in-process {res.inproc_s[-1] * 1e3:.2f} ms/tok"
+                + "".join(f", {m} {res.served_s[m][-1] * 1e3:.2f}" for m in modes)
+            )
+
+        prefill = serve.get_deployment_handle("Prefill", app_name=APP)
+        loop = asyncio.new_event_loop()
+        try:
+            for n_tok in cfg.long_prompts:
+                res.fetch[n_tok] = loop.run_until_complete(
+                    timed_fetches(prefill, cfg, app, engine, n_tok)
+                )
+                b, s = res.fetch[n_tok][-1]
+                log(f"KV fetch {n_tok} tokens: {b / 1e6:.1f} MB in {s * 1e3:.1f} ms")
+        finally:
+            loop.close()
+
+        for n_tok in cfg.long_prompts:
+            prompt = make_prompt(cfg, engine, n_tok, salt=7 * n_tok)
+            served_generate(stub, APP, prompt, TTFT_TOKENS)  # warm-up at this length
+            res.ttft[n_tok] = []
+            for _ in range(cfg.repeats):
+                s = served_generate(stub, APP, prompt, TTFT_TOKENS)
+                t = s.last.timing
+                res.ttft[n_tok].append(
+                    {
+                        "client_ttft": s.token_times[0] - s.call_at,
+                        "ttft": t.time_to_first_token_seconds,
+                        "prefill": t.prefill_seconds,
+                        "transfer": t.kv_transfer_seconds,
+                        "gap2": s.token_times[1] - s.token_times[0],
+                    }
+                )
+            x = res.ttft[n_tok][-1]
+            log(
+                f"TTFT {n_tok} tokens: {x['ttft'] * 1e3:.0f} ms, "
+                f"transfer {x['transfer'] * 1e3:.1f} ms"
+            )
+        del engine
+    finally:
+        if baseline is not None:
+            baseline.shutdown()
+        torch.set_num_threads(old_threads)
+        for name in (APP, APP_COLOCATED):
+            try:
+                serve.delete(name)
+            except Exception as e:  # never deployed, or Serve is going away
+                log(f"could not delete app {name}: {e}")
+    res.load_after = os.getloadavg()
+    res.elapsed_s = time.perf_counter() - began
+    return res
+
+
+# -- the report --------------------------------------------------------------------------------
+
+ROWS = (
+    "decode per token, in-process Engine.step",
+    "decode per token, disaggregated via Serve + gRPC",
+    "added per token, disaggregated",
+    "decode per token, colocated via Serve + gRPC",
+    "added per token, colocated",
+    "disaggregated (total - TTFT) / (N - 1), incl. KV transfer",
+)
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _spread(xs: list[float], scale: float = 1e3) -> str:
+    return f"{min(xs) * scale:.2f}–{max(xs) * scale:.2f}"
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def render(res: Results, argv: list[str]) -> str:
+    cfg, app = res.cfg, res.app
+    n = cfg.decode_tokens
+    nice = ", ".join(f"{k} {v}" for k, v in res.niceness.items()) or "not read"
+    lines = [
+        f"# pdserve serving benchmark ({cfg.preset} model)",
+        "",
+        f"- date: {res.started}; wall time {res.elapsed_s:.0f} s",
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, ray {_ray_version()}, "
+        f"grpcio {grpc.__version__}",
+        f"- load average before: {_load(res.load_before)}; after: {_load(res.load_after)}",
+        f"- command: `python -m cluster.benchmarks.serving_bench {' '.join(argv)}`".rstrip(),
+        f"- config: checkpoint `{cfg.model_dir.name}`, fp32, CPU; 1 router + 1 prefill + "
+        f"1 decode replica (colocated app: 1 router + 1 colocated replica); "
+        f"{cfg.replica_cpus} Ray CPUs and {cfg.torch_threads} torch thread(s) per engine replica; "
+        f"the in-process baseline uses the same engine config and "
+        f"{cfg.torch_threads} torch thread(s); KV pool {app.decode.cache.num_blocks} blocks x "
+        f"{cfg.block_size} tokens per replica; scheduler token budget {cfg.chunk_tokens} per "
+        f"step (a {max(cfg.long_prompts)}-token prompt prefills in "
+        f"{-(-max(cfg.long_prompts) // cfg.chunk_tokens)} chunks); KV transport grpc, chunks "
+        f"of at most {cfg.max_chunk_bytes} bytes; {cfg.repeats} repeats, medians reported",
+        f"- CPU priority (nice): {nice}",
+        "",
+        f"## 1. Decode latency per output token (batch 1, greedy, ignore_eos, {cfg.short_prompt}-"
+        f"token prompt, N = {n})",
+        "",
+        "Per run: mean step over output tokens 2..N (client-side message arrival times when "
+        "served), so neither prefill nor KV transfer is included. Added = median of the paired "
+        "(served − in-process) differences of interleaved runs.",
+        "",
+        "| metric | median (ms) | runs min–max (ms) |",
+        "|---|---|---|",
+    ]
+    added: dict[str, float] = {}
+    lines.append(f"| {ROWS[0]} | {_med(res.inproc_s) * 1e3:.2f} | {_spread(res.inproc_s)} |")
+    for mode, row, add_row in (
+        ("disaggregated", ROWS[1], ROWS[2]),
+        ("colocated", ROWS[3], ROWS[4]),
+    ):
+        xs = res.served_s.get(mode)
+        if not xs:
+            continue
+        diffs = [s - i for s, i in zip(xs, res.inproc_s, strict=True)]
+        added[mode] = _med(diffs)
+        lines.append(f"| {row} | {_med(xs) * 1e3:.2f} | {_spread(xs)} |")
+        lines.append(f"| {add_row} | {added[mode] * 1e3:+.2f} | {_spread(diffs)} |")
+    lines.append(
+        f"| {ROWS[5]} | {_med(res.incl_transfer_s) * 1e3:.2f} | {_spread(res.incl_transfer_s)} |"
+    )
+    lines += _cpu_table(res)
+    lines += [
+        "",
+        "## 2. KV transfer throughput (grpc, loopback, fetched by this process)",
+        "",
+        f"`GrpcKVClient.fetch` of a prompt's KV held by the prefill replica; {cfg.fetches} timed "
+        "fetches of the same lease after one warm-up; bytes = assembled K + V `nbytes`.",
+        "",
+        "| prompt tokens | KV bytes (MB) | fetch median (ms) | KV fetch throughput (GB/s) |",
+        "|---|---|---|---|",
+    ]
+    for n_tok, fs in res.fetch.items():
+        nbytes = fs[0][0]
+        sec = _med([s for _, s in fs])
+        gbs = _med([b / s / 1e9 for b, s in fs])
+        lines.append(f"| {n_tok} | {nbytes / 1e6:.1f} | {sec * 1e3:.1f} | {gbs:.2f} |")
+    lines += [
+        "",
+        f"## 3. KV transfer as a share of TTFT (disaggregated, {TTFT_TOKENS} output tokens)",
+        "",
+        "From the final message's `timing`: `kv_transfer_seconds` is measured by the decode "
+        "worker from before `GrpcKVClient.fetch` until the KV is imported into its engine, so it "
+        "covers the fetch, the ReleaseKV round trip, the wait for the engine thread and the copy "
+        "into the decode pool. The transfer starts after the first token was streamed, so it is "
+        "not inside TTFT; the conservative share divides by TTFT + transfer. Client TTFT is "
+        "from the call to the first message; the 1st→2nd token gap is what the client sees of "
+        "the transfer (plus the decode hop and one decode step).",
+        "",
+        "| prompt tokens | client TTFT (ms) | server TTFT (ms) | prefill (ms) | KV transfer (ms) "
+        "| 1st→2nd token gap (ms) | KV transfer / TTFT | KV transfer / (TTFT + transfer) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    shares: dict[int, tuple[float, float]] = {}
+    for n_tok, rows in res.ttft.items():
+
+        def m(key: str, rows=rows) -> float:
+            return _med([r[key] for r in rows])
+
+        share = _med([r["transfer"] / r["ttft"] for r in rows])
+        cons = _med([r["transfer"] / (r["ttft"] + r["transfer"]) for r in rows])
+        shares[n_tok] = (share, cons)
+        lines.append(
+            f"| {n_tok} | {m('client_ttft') * 1e3:.1f} | {m('ttft') * 1e3:.1f} | "
+            f"{m('prefill') * 1e3:.1f} | {m('transfer') * 1e3:.1f} | {m('gap2') * 1e3:.1f} | "
+            f"{share:.1%} | {cons:.1%} |"
+        )
+    lines += [
+        "",
+        "## Targets",
+        "",
+        "| target | measured | result |",
+        "|---|---|---|",
+    ]
+    for mode, value in added.items():
+        lines.append(
+            f"| added latency per output token, {mode} ≤ "
+            f"{ADDED_LATENCY_TARGET_S * 1e3:.0f} ms | {value * 1e3:+.2f} ms | "
+            f"{_verdict(value <= ADDED_LATENCY_TARGET_S)} |"
+        )
+    for n_tok, (share, cons) in shares.items():
+        lines.append(
+            f"| KV transfer ≤ {TRANSFER_SHARE_TARGET:.0%} of TTFT, {n_tok}-token prompt "
+            f"| {share:.1%} | {_verdict(share <= TRANSFER_SHARE_TARGET)} |"
+        )
+        lines.append(
+            f"| KV transfer ≤ {TRANSFER_SHARE_TARGET:.0%} of (TTFT + transfer), {n_tok}-token "
+            f"prompt (conservative) | {cons:.1%} | {_verdict(cons <= TRANSFER_SHARE_TARGET)} |"
+        )
+    lines += [
+        "",
+        "The presets' max_position_embeddings is 2048 and the context counts generated tokens: "
+        "a 2047-token prompt finishes on the prefill's token (length) and moves no KV, so the "
+        f'"2048-token" case uses {max(cfg.long_prompts)} prompt tokens '
+        f"({-(-max(cfg.long_prompts) // cfg.block_size)} KV blocks, as for 2048).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _cpu_table(res: Results) -> list[str]:
+    modes = [m for m in res.served_cpu_s if res.served_cpu_s[m]]
+    if not modes:
+        return []
+    names = sorted({k.split("/")[-1] for m in modes for k in res.served_cpu_s[m]})
+    lines = [
+        "",
+        "CPU time per output token by process (ms, median of runs; /proc utime + stime over "
+        "a whole served run, prefill included, divided by N):",
+        "",
+        "| process | " + " | ".join(modes) + " |",
+        "|---|" + "---|" * len(modes),
+        "| in-process baseline (engine thread) | "
+        + " | ".join(f"{_med(res.inproc_cpu_s) * 1e3:.2f}" for _ in modes)
+        + " |",
+    ]
+    for name in names:
+        cells = []
+        for m in modes:
+            xs = next((v for k, v in res.served_cpu_s[m].items() if k.split("/")[-1] == name), [])
+            cells.append(f"{_med(xs) * 1e3:.2f}" if xs else "–")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _load(x: tuple[float, float, float]) -> str:
+    return " ".join(f"{v:.2f}" for v in x) + " (1, 5, 15 min)"
+
+
+def _ray_version() -> str:
+    import ray
+
+    return ray.__version__
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark; print the Markdown report and return it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, cfg = parse_args(argv)
+    if args.grpc_port:
+        res = run(args.grpc_port, cfg)
+    else:
+        import ray
+        from ray import serve
+
+        from cluster.app import GRPC_SERVICER
+
+        # Read by the raylet this starts (it inherits our environment), so ours only.
+        os.environ["RAY_worker_niceness"] = str(cfg.worker_niceness)
+        # "local": always a fresh instance of our own, never someone else's cluster.
+        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning")
+        try:
+            grpc_port, http_port = _free_port(), _free_port()
+            serve.start(
+                http_options={"host": "127.0.0.1", "port": http_port},
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+            )
+            try:
+                res = run(grpc_port, cfg)
+            finally:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    report = render(res, argv)
+    print(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report, "utf-8")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -80,19 +80,25 @@ def paged_attention(
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
     v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
+    num_heads = q.shape[1]
     out = torch.empty_like(q)
     for g in meta.groups:
         bsz, max_blocks = g.block_tables.shape
+        tables = g.block_tables.flatten()
+        context = (bsz, max_blocks * block_size, num_kv_heads, head_dim)
+        kg = k_cache.index_select(0, tables).view(context).transpose(1, 2)  # [B, Hkv, K, D]
+        vg = v_cache.index_select(0, tables).view(context).transpose(1, 2)
+        if g.query_index.shape[1] == 1:
+            # Decode: one query per sequence. Fold each KV head's query heads into the query
+            # axis ([B, Hkv, heads per KV head, D]) so keys are read once, not repeated.
+            rows = g.query_index[:, 0]
+            qg = q[rows].view(bsz, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
+            out[rows] = og.reshape(bsz, num_heads, head_dim)
+            continue
         qg = q[g.query_index].transpose(1, 2)  # [B, num_heads, max_q, head_dim]
-        kg = k_cache[g.block_tables].view(bsz, max_blocks * block_size, num_kv_heads, head_dim)
-        vg = v_cache[g.block_tables].view(bsz, max_blocks * block_size, num_kv_heads, head_dim)
         og = F.scaled_dot_product_attention(
-            qg,
-            kg.transpose(1, 2),  # [B, num_kv_heads, max_k, head_dim]
-            vg.transpose(1, 2),
-            attn_mask=g.mask,
-            scale=scale,
-            enable_gqa=True,
+            qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
         )
         og = og.transpose(1, 2)  # [B, max_q, num_heads, head_dim]
         out[g.query_index[g.query_valid]] = og[g.query_valid]

@@ -57,6 +57,7 @@ def ray_serve() -> Iterator[ServeEndpoints]:
         num_cpus=16,
         include_dashboard=False,
         logging_level="warning",
+        log_to_driver=False,  # replicas log to files under the Ray session dir, not the test output
         _metrics_export_port=ends.metrics_port,
     )
     serve.start(

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.attention import AttentionMetadata, paged_attention
-from cluster.rope import RotaryEmbedding
+from cluster.rope import RopeAngles, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -75,8 +75,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,
-        rope: nn.Module,
+        angles: RopeAngles,
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -86,7 +85,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = angles.apply(q, k)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -111,8 +110,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
+    def forward(self, x, angles, kv, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), angles, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,8 +145,9 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        angles = self.rotary(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv, meta)
+            x = layer(x, angles, kv, meta)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Caches cos/sin for every position up to `max_positions`, looked up per token."""
+    """Caches cos/sin for every position up to `max_positions`; `forward` looks up a batch's."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: dict) -> None:
         super().__init__()
@@ -52,12 +53,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
+        """cos/sin for the batch's positions, looked up once per forward pass."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return RopeAngles(cos, sin)
+
+
+@dataclass(frozen=True)
+class RopeAngles:
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self.cos, self.sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -3,8 +3,10 @@ refused at once. Replica counts are read from Serve itself, never from pdserve's
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -246,6 +248,30 @@ def test_overload_is_refused_at_once(ray_serve, tokenizer_model_dir):
         assert {code for code, _ in outcomes} <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert refused and served, outcomes
         assert max(refused) < max(served), outcomes  # refused at once, not after a wait
+
+        def post(_):
+            start = time.monotonic()
+            body = json.dumps({"prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+            request = urllib.request.Request(
+                f"{ray_serve.http_base}/overload/v1/completions",
+                data=body.encode(),
+                headers={"content-type": "application/json"},
+            )
+            try:
+                urllib.request.urlopen(request, timeout=120).read()
+                return 200, time.monotonic() - start
+            except urllib.error.HTTPError as e:
+                error = json.loads(e.read())["error"]
+                assert error["message"] and error["type"]
+                return e.code, time.monotonic() - start
+
+        with ThreadPoolExecutor(12) as pool:
+            outcomes = list(pool.map(post, range(12)))
+        refused = [t for code, t in outcomes if code in (429, 503)]
+        served = [t for code, t in outcomes if code == 200]
+        assert {code for code, _ in outcomes} <= {200, 429, 503}, outcomes
+        assert refused and served, outcomes
+        assert max(refused) < max(served), outcomes
         wait_for_idle(ray_serve, "overload", {"prefill", "decode"})
     finally:
         serve.delete("overload")

@@ -46,6 +46,7 @@ import grpc
 import torch
 
 from cluster.app_config import AppConfig, PoolConfig
+from cluster.benchmarks.engine_bench import cpu_model
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig, TransferConfig
 from cluster.engine import Engine
 from cluster.grpc_kv_client import GrpcKVClient
@@ -662,16 +663,6 @@ def _cpu_table(res: Results) -> list[str]:
             cells.append(f"{_med(xs) * 1e3:.2f}" if xs else "–")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _load(x: tuple[float, float, float]) -> str:

@@ -15,7 +15,6 @@ import grpc
 import msgpack
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.async_engine import AsyncEngine
 from cluster.capability import Capability
@@ -38,22 +37,9 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("kv-llama")
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
+def llama_dir(model_dir) -> Path:
+    """The shared tiny Llama (GQA) checkpoint of tests/conftest.py."""
+    return model_dir("llama-gqa")
 
 
 def make_engine(path: Path) -> Engine:

@@ -3,7 +3,8 @@
     python -m cluster.benchmarks.engine_bench [--out FILE] [--batches 1,8,32,128] ...
 
 Three systems run the same greedy workload (B random prompts of `--prompt-len` tokens, exactly
-`--decode-len` new tokens each, EOS ignored), fp32, on the same threads:
+`--decode-len` new tokens each, EOS ignored) in the same dtype on the same device: fp32 on the
+CPU's threads by default, or `--device cuda --dtype bfloat16` on a GPU:
 
 - pdserve: `Engine.step()` until done, one engine whose KV pool fits the largest batch;
 - transformers `model.generate()`: one left-padded batch, `min_new_tokens == max_new_tokens`;
@@ -16,7 +17,8 @@ Every system reports, per request, the time each token appeared. From those: pre
 `B * prompt_len` over the time from the first forward to the last request's first token, and
 decode tok/s counts the tokens produced after that moment over the time to the last token, so
 prefill never leaks into the decode number. The batch-1 bandwidth floor is the checkpoint's
-weight bytes over a measured `dst.copy_(src)` rate: a batch-1 decode step must read every weight.
+weight bytes over a measured `dst.copy_(src)` rate on the same device: a batch-1 decode step must
+read every weight.
 """
 
 from __future__ import annotations
@@ -58,6 +60,17 @@ class BenchConfig:
     copy_mib: int
     repeats: int  # runs per (system, batch); the best is reported
     seed: int
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ModelConfig(str(self.model_dir), dtype=self.dtype).torch_dtype
+
+    def sync(self) -> None:
+        """Wait for queued device work, so a host clock read after it is the work's end."""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
 
 
 @dataclass(frozen=True)
@@ -147,7 +160,7 @@ class PdserveRunner:
         per_seq = -(-(cfg.prompt_len + cfg.decode_len) // cfg.block_size)
         self.engine = Engine(
             EngineConfig(
-                model=ModelConfig(path=str(cfg.model_dir)),
+                model=ModelConfig(path=str(cfg.model_dir), dtype=cfg.dtype, device=cfg.device),
                 cache=CacheConfig(block_size=cfg.block_size, num_blocks=biggest * per_seq + 8),
                 scheduler=SchedulerConfig(
                     max_num_seqs=biggest, max_num_batched_tokens=cfg.batch_tokens
@@ -200,15 +213,19 @@ class HFGenerateRunner:
 
         stamps: list[float] = []
 
+        sync = self.cfg.sync
+
         class Stamp(LogitsProcessor):
             def __call__(self, input_ids, scores):
+                sync()  # the step's logits exist; on a GPU the host is otherwise ahead
                 stamps.append(time.perf_counter())
                 return scores
 
         pad = self.model.generation_config.pad_token_id or 0
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = self.cfg.device
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         n = self.cfg.decode_len
         start = time.perf_counter()
         with torch.inference_mode():
@@ -266,17 +283,20 @@ class HFGenerateBatchRunner:
 # -- the bandwidth floor -----------------------------------------------------------------------
 
 
-def copy_bandwidth(mib: int, repeats: int = 5) -> float:
-    """Bytes per second of `dst.copy_(src)` on two `mib`-MiB fp32 tensors, best of `repeats`
-    (the bytes counted are one tensor's, i.e. the rate at which a buffer can be streamed)."""
-    n = mib * (1 << 20) // 4
-    src = torch.randn(n)
-    dst = torch.empty(n)
+def copy_bandwidth(cfg: BenchConfig, repeats: int = 5) -> float:
+    """Bytes per second of `dst.copy_(src)` on two `copy_mib`-MiB fp32 tensors on the benchmark's
+    device, best of `repeats` (the bytes counted are one tensor's, i.e. the rate at which a buffer
+    can be streamed)."""
+    n = cfg.copy_mib * (1 << 20) // 4
+    src = torch.randn(n, device=cfg.device)
+    dst = torch.empty(n, device=cfg.device)
     dst.copy_(src)  # fault the pages in
+    cfg.sync()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         dst.copy_(src)
+        cfg.sync()
         best = min(best, time.perf_counter() - t)
     return n * 4 / best
 
@@ -292,6 +312,12 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"GPU {torch.cuda.get_device_name(device)}"
+    return "CPU"
 
 
 def render(
@@ -321,7 +347,8 @@ def render(
         "at the end of the run",
         f"- torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"transformers {transformers.__version__}; Python {platform.python_version()}",
-        f"- model: `{cfg.preset}` preset at `{cfg.model_dir}`, fp32; a batch-1 step reads "
+        f"- device: {cfg.device} ({device_name(cfg.device)}), dtype {cfg.dtype}",
+        f"- model: `{cfg.preset}` preset at `{cfg.model_dir}`; a batch-1 step reads "
         f"{weight_bytes / 1e6:,.1f} MB of weights",
         f"- workload: random prompts of {cfg.prompt_len} tokens, {cfg.decode_len} greedy new "
         f"tokens each, EOS ignored; at most {cfg.batch_tokens} tokens/step (pdserve and "
@@ -343,8 +370,9 @@ def render(
     floor = weight_bytes / bandwidth
     lines += [
         "",
-        f"Copy bandwidth: {bandwidth / 1e9:.2f} GB/s ({cfg.copy_mib} MiB fp32 `dst.copy_(src)`, "
-        f"best of 5); batch-1 floor = weight bytes / bandwidth = {floor * 1e3:.1f} ms/step.",
+        f"Copy bandwidth: {bandwidth / 1e9:.2f} GB/s ({cfg.copy_mib} MiB fp32 `dst.copy_(src)` on "
+        f"{cfg.device}, best of 5); batch-1 floor = weight bytes / bandwidth = "
+        f"{floor * 1e3:.1f} ms/step.",
         "",
     ]
     if 1 in by["pdserve"]:
@@ -403,6 +431,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     p.add_argument("--repeats", type=int, default=1, help="runs per cell; the best is reported")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; every system runs there")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny preset, batches 1,2")
     p.add_argument("--out", type=Path, default=None, help="also write the Markdown report here")
     a = p.parse_args(argv)
@@ -424,6 +454,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
         copy_mib=a.copy_mib or (64 if q else 1024),
         repeats=a.repeats,
         seed=a.seed,
+        device=a.device,
+        dtype=a.dtype,
     )
     return a, cfg
 
@@ -468,8 +500,9 @@ def run(cfg: BenchConfig, argv: list[str]) -> str:
     ensure_model(cfg.preset, cfg.model_dir)
     pdserve = PdserveRunner(cfg)
     hf = AutoModelForCausalLM.from_pretrained(
-        cfg.model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+        cfg.model_dir, dtype=cfg.torch_dtype, attn_implementation="sdpa"
+    )
+    hf = hf.to(cfg.device).eval()
     runners: dict[str, Callable[[list[list[int]]], Timeline]] = {
         "pdserve": pdserve.run,
         "hf generate": HFGenerateRunner(hf, cfg).run,
@@ -493,7 +526,7 @@ def run(cfg: BenchConfig, argv: list[str]) -> str:
                     f"tok/s  [{time.perf_counter() - t:.1f} s, other load {m.other_load:.0%}]"
                 )
             results[name].append(best(tries))
-    bandwidth = copy_bandwidth(cfg.copy_mib)
+    bandwidth = copy_bandwidth(cfg)
     elapsed = time.perf_counter() - began
     return render(cfg, results, pdserve.weight_bytes(), bandwidth, elapsed, argv)
 

@@ -2,7 +2,8 @@
 
     python -m cluster.benchmarks.serving_bench [--out FILE] [--quick] [--grpc-port PORT]
 
-On one checkpoint (`small` by default, `tiny` with `--quick`), fp32 on CPU, one run prints:
+On one checkpoint (`small` by default, `tiny` with `--quick`), fp32 on CPU (or `--device cuda
+--dtype bfloat16`: every engine replica and the baseline on GPU 0), one run prints:
 
 1. decode time per output token of a batch-1 greedy `ignore_eos` generation with a short
    prompt: in this process (`Engine.step()` loop, same engine config, torch threads and CPU
@@ -81,6 +82,8 @@ class BenchConfig:
     colocated: bool
     worker_niceness: int  # RAY_worker_niceness of a Ray this script starts itself
     seed: int
+    device: str = "cpu"
+    dtype: str = "float32"
 
 
 @dataclass
@@ -129,6 +132,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
         "15, which starves the replicas on a machine shared with other work); the in-process "
         "baseline always runs at the decode replica's nice value",
     )
+    p.add_argument("--device", default="cpu", help="cpu or cuda: engine replicas and baseline")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     a = p.parse_args(argv)
     q = a.quick
     preset = "tiny" if q else "small"
@@ -158,20 +163,28 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
         colocated=not a.no_colocated,
         worker_niceness=a.worker_niceness,
         seed=0,
+        device=a.device,
+        dtype=a.dtype,
     )
     return a, cfg
 
 
+# On a GPU, the engine replicas of both apps (prefill, decode, colocated) share GPU 0.
+GPU_SHARE = 0.3
+
+
 def app_config(cfg: BenchConfig) -> AppConfig:
+    on_gpu = cfg.device.startswith("cuda")
     pool = PoolConfig(
         num_cpus=cfg.replica_cpus,
+        num_gpus=GPU_SHARE if on_gpu else 0.0,
         torch_threads=cfg.torch_threads,
         cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=cfg.chunk_tokens),
     )
     return AppConfig(
-        model=ModelConfig(path=str(cfg.model_dir), dtype="float32", device="cpu"),
-        router=replace(pool, num_cpus=min(cfg.replica_cpus, 0.5)),
+        model=ModelConfig(path=str(cfg.model_dir), dtype=cfg.dtype, device=cfg.device),
+        router=replace(pool, num_cpus=min(cfg.replica_cpus, 0.5), num_gpus=0.0),
         prefill=pool,
         decode=pool,
         transfer=TransferConfig(
@@ -525,7 +538,8 @@ def render(res: Results, argv: list[str]) -> str:
         f"grpcio {grpc.__version__}",
         f"- load average before: {_load(res.load_before)}; after: {_load(res.load_after)}",
         f"- command: `python -m cluster.benchmarks.serving_bench {' '.join(argv)}`".rstrip(),
-        f"- config: checkpoint `{cfg.model_dir.name}`, fp32, CPU; 1 router + 1 prefill + "
+        f"- config: checkpoint `{cfg.model_dir.name}`, {cfg.dtype} on {_device(cfg.device)}; "
+        f"1 router + 1 prefill + "
         f"1 decode replica (colocated app: 1 router + 1 colocated replica); "
         f"{cfg.replica_cpus} Ray CPUs and {cfg.torch_threads} torch thread(s) per engine replica; "
         f"the in-process baseline uses the same engine config and "
@@ -663,6 +677,12 @@ def _cpu_table(res: Results) -> list[str]:
             cells.append(f"{_med(xs) * 1e3:.2f}" if xs else "–")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _device(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(device)}, shared by all engine replicas)"
+    return "CPU"
 
 
 def _load(x: tuple[float, float, float]) -> str:

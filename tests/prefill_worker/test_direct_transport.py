@@ -280,6 +280,29 @@ def test_nccl_is_refused_where_it_cannot_run() -> None:
         transport_device("nccl", torch.device("cpu"))
 
 
+@pytest.mark.gpu
+def test_gloo_moves_gpu_kv_through_host_memory(llama_dir: Path) -> None:
+    """Engines on CUDA, transport gloo: the KV goes GPU -> host -> gloo -> host -> GPU and the
+    decode continues like a colocated GPU run."""
+    prompts = {"r-long": prompt(40, 13), "r-short": prompt(3, 14)}
+
+    async def main() -> dict[str, list[int]]:
+        async with direct_pair(llama_dir, "gloo", devices=("cuda", "cuda")) as p:
+            handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
+            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            got = await p.client.fetch(handles["r-long"], p.decode.engine.layout)
+            assert want.k.is_cuda
+            assert torch.equal(got.k.cpu(), want.k.cpu()) and torch.equal(got.v.cpu(), want.v.cpu())
+            tokens = await asyncio.gather(
+                *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
+            )
+            return dict(zip(prompts, tokens, strict=True))
+
+    got = run(main())
+    for rid, ids in prompts.items():
+        assert got[rid] == colocated(llama_dir, rid, ids, device="cuda"), rid
+
+
 # -- nccl ---------------------------------------------------------------------------------
 
 

@@ -42,9 +42,10 @@ def llama_dir(model_dir) -> Path:
     return model_dir("llama-gqa")
 
 
-def make_engine(path: Path) -> Engine:
+def make_engine(path: Path, **model) -> Engine:
+    """A small engine for `path`; `model` overrides ModelConfig fields (device, dtype)."""
     cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=32)
-    return Engine(EngineConfig(ModelConfig(str(path)), cache))
+    return Engine(EngineConfig(ModelConfig(str(path), **model), cache))
 
 
 def prompt(length: int, seed: int) -> tuple[int, ...]:
@@ -104,9 +105,14 @@ class Pair:
 
 @asynccontextmanager
 async def pair(
-    path: Path, lease_seconds: float = 30.0, clock=time.time, expiry_interval: float | None = None
+    path: Path,
+    lease_seconds: float = 30.0,
+    clock=time.time,
+    expiry_interval: float | None = None,
+    **model,
 ) -> AsyncIterator[Pair]:
-    prefill, decode = AsyncEngine(make_engine(path)), AsyncEngine(make_engine(path))
+    prefill = AsyncEngine(make_engine(path, **model))
+    decode = AsyncEngine(make_engine(path, **model))
     prefill.start()
     decode.start()
     leases = LeaseKeeper(prefill, lease_seconds, Capability(b"test-secret"), clock=clock)
@@ -130,8 +136,8 @@ async def pair(
         await decode.stop()
 
 
-def colocated(path: Path, rid: str, ids: tuple[int, ...]) -> list[int]:
-    engine = make_engine(path)
+def colocated(path: Path, rid: str, ids: tuple[int, ...], **model) -> list[int]:
+    engine = make_engine(path, **model)
     (out,) = engine.generate([Request(rid, ids, PARAMS)])
     assert engine.stats().kv_blocks_used == 0
     return out.token_ids
@@ -377,3 +383,35 @@ def test_handle_proto_round_trip_and_validation(llama_dir: Path) -> None:
     msg.layout.num_layers = 0
     with pytest.raises(InvalidArgument):
         KVHandle.from_proto(msg)
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grpc_moves_gpu_kv_between_gpu_engines(llama_dir: Path, dtype: str) -> None:
+    """Both engines on CUDA: the KV leaves GPU memory, crosses the wire as raw bytes and lands
+    in the decode engine's GPU pool bit-exact; decoding continues like a colocated GPU run."""
+    model = {"device": "cuda", "dtype": dtype}
+    prompts = {"r-long": prompt(40, 21), "r-short": prompt(5, 22)}
+
+    async def main() -> dict[str, list[int]]:
+        async with pair(llama_dir, **model) as p:
+            handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
+            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            got = await p.client.fetch(handles["r-long"], p.decode.engine.layout)
+            assert want.k.is_cuda and got.k.dtype == want.k.dtype == model_dtype(dtype)
+            assert torch.equal(got.k.cpu(), want.k.cpu()) and torch.equal(got.v.cpu(), want.v.cpu())
+            tokens = await asyncio.gather(
+                *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
+            )
+            return dict(zip(prompts, tokens, strict=True))
+
+    got = run(main())
+    for rid, ids in prompts.items():
+        assert got[rid] == colocated(llama_dir, rid, ids, **model), rid
+
+
+def model_dtype(name: str) -> torch.dtype:
+    return ModelConfig("unused", dtype=name).torch_dtype

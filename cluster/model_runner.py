@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.attention import AttentionMetadata, build_group
+from cluster.attention import AttentionMetadata, build_decode_group, build_prefill_group
+from cluster.decode_attention import select_decode_attention
 from cluster.kv_cache import KVCache
 from cluster.model import CausalLM
 from cluster.sampler import Sampler
@@ -29,6 +30,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.layout.block_size
         self.sliding_window = model.spec.sliding_window
+        self.decode_attention = select_decode_attention(device, self.sliding_window)
         self.sampler = Sampler()
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
@@ -43,21 +45,28 @@ class ModelRunner:
             positions.extend(span)
             table, bs = s.seq.block_table, self.block_size
             slots.extend(table[p // bs] * bs + p % bs for p in span)
-        groups = []
-        for decode in (True, False):
-            members = [i for i, s in enumerate(scheduled) if (s.num_tokens == 1) == decode]
-            if members:
-                groups.append(
-                    build_group(
-                        [starts[i] for i in members],
-                        [scheduled[i].num_tokens for i in members],
-                        [scheduled[i].start for i in members],
-                        [scheduled[i].seq.block_table for i in members],
-                        self.block_size,
-                        self.sliding_window,
-                        self.device,
-                    )
-                )
+        # One query per sequence (decode, or a one-token prefill chunk) attends through the
+        # decode path; in a batch with no prefill group its rows are 0..T-1 in order.
+        dec = [i for i, s in enumerate(scheduled) if s.num_tokens == 1]
+        pre = [i for i, s in enumerate(scheduled) if s.num_tokens > 1]
+        decode = prefill = None
+        if dec:
+            decode = build_decode_group(
+                [starts[i] for i in dec],
+                [scheduled[i].start for i in dec],
+                [scheduled[i].seq.block_table for i in dec],
+                self.device,
+            )
+        if pre:
+            prefill = build_prefill_group(
+                [starts[i] for i in pre],
+                [scheduled[i].num_tokens for i in pre],
+                [scheduled[i].start for i in pre],
+                [scheduled[i].seq.block_table for i in pre],
+                self.block_size,
+                self.sliding_window,
+                self.device,
+            )
         samplers = [s for s in scheduled if s.samples]
         rows = [starts[i] + s.num_tokens - 1 for i, s in enumerate(scheduled) if s.samples]
 
@@ -67,7 +76,12 @@ class ModelRunner:
         return ForwardBatch(
             input_ids=tensor(ids),
             positions=tensor(positions),
-            attention=AttentionMetadata(slot_mapping=tensor(slots), groups=tuple(groups)),
+            attention=AttentionMetadata(
+                slot_mapping=tensor(slots),
+                decode=decode,
+                prefill=prefill,
+                decode_attention=self.decode_attention,
+            ),
             sample_rows=tensor(rows),
             samplers=samplers,
         )

@@ -4,8 +4,8 @@
 #      and import on the GPU, gRPC and gloo KV transfer between GPU engines);
 #   2. the engine benchmark on the GPU (bf16, then fp32 at batches 1 and 32);
 #   3. the serving benchmark with every engine replica on the GPU (needs Ray; skipped if absent);
-#   4. the serving benchmark on the machine's CPUs (fp32): the Serve + gRPC overhead per token on
-#      a machine whose cores are not all taken by the engine.
+#   4. the serving benchmark on the machine's CPUs (fp32, 4 torch threads per engine and for the
+#      baseline): the Serve + gRPC overhead per token where the engine does not take every core.
 # Each stage has its own time limit and the script goes on after a failure; the exit status is
 # the number of failed stages. Reports and logs land in $OUT (default ./gpu-results).
 #
@@ -48,24 +48,29 @@ torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__ve
 "grpcio", grpc.__version__, "gpus", torch.cuda.device_count())'
 } 2>&1 | tee "$OUT/machine.txt"
 
-if ! "$PY" -c 'import ray' 2>/dev/null && [ -f "${PDSERVE_SITE_BUNDLE:-}" ]; then
-    mkdir -p /tmp/pdserve-site && tar -xJf "$PDSERVE_SITE_BUNDLE" -C /tmp/pdserve-site &&
-        export PYTHONPATH=$PYTHONPATH:/tmp/pdserve-site
+# A machine without Ray: $PDSERVE_SITE_BUNDLE may name a tar.xz of site-packages (Ray Serve and
+# its dependencies; grpcio and protobuf of the versions pdserve is developed with in _fallback/).
+if [ -f "${PDSERVE_SITE_BUNDLE:-}" ]; then
+    site=/tmp/pdserve-site
+    mkdir -p $site && tar -xJf "$PDSERVE_SITE_BUNDLE" -C $site &&
+        export PYTHONPATH=$PWD:$site/_fallback:$site:${PYTHONPATH#"$PWD:"}
+    "$PY" -c 'import ray, grpc, google.protobuf as p; print("ray", ray.__version__, "grpcio",
+grpc.__version__, "protobuf", p.__version__)' 2>&1 | tee -a "$OUT/machine.txt"
 fi
 
 # The ini's warning filters name pydantic, which a machine without Ray may lack.
-stage tests 300 "$PY" -m pytest -q -p no:cacheprovider -o filterwarnings=ignore::DeprecationWarning \
+stage tests 150 "$PY" -m pytest -q -p no:cacheprovider -o filterwarnings=ignore::DeprecationWarning \
     -m gpu -rs tests/cluster/test_engine_oracle.py tests/cluster/test_engine_bf16.py \
     tests/prefill_worker/test_kv_server.py tests/prefill_worker/test_direct_transport.py
 
-stage engine 240 sh -c "$PY -m cluster.benchmarks.engine_bench --device cuda --dtype bfloat16 \
+stage engine 150 sh -c "$PY -m cluster.benchmarks.engine_bench --device cuda --dtype bfloat16 \
     --repeats 2 --out $OUT/engine-gpu-bf16.md && $PY -m cluster.benchmarks.engine_bench \
     --device cuda --dtype float32 --batches 1,32 --repeats 2 --out $OUT/engine-gpu-fp32.md"
 
 if "$PY" -c 'import ray.serve' 2>/dev/null; then
-    stage serving-gpu 240 "$PY" -m cluster.benchmarks.serving_bench --device cuda \
+    stage serving-gpu 150 "$PY" -m cluster.benchmarks.serving_bench --device cuda \
         --dtype bfloat16 --repeats 5 --out "$OUT/serving-gpu-bf16.md"
-    stage serving-cpu 240 "$PY" -m cluster.benchmarks.serving_bench --repeats 5 \
+    stage serving-cpu 200 "$PY" -m cluster.benchmarks.serving_bench --threads 4 --repeats 5 \
         --out "$OUT/serving-cpu-fp32.md"
 else
     echo "== serving stages skipped: Ray Serve is not importable" | tee "$OUT/serving.log"

@@ -63,6 +63,26 @@ inline float hsum(vfloat v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// exp(x) for x <= 0 (scores minus their running max), Cephes' expf: 2^n * e^r with
+// |r| <= ln(2)/2 and a degree-6 polynomial for e^r; within 2 ulp of std::exp.
+inline vfloat exp_nonpositive(vfloat x) {
+  typedef int32_t vint __attribute__((vector_size(64)));
+  const vfloat lo = vfloat{} - 87.3f;  // below this e^x is under the smallest normal float
+  x = x < lo ? lo : x;
+  const vfloat t = x * 1.44269504088896341f + 0.5f;
+  vint n = __builtin_convertvector(t, vint);  // truncates toward zero: floor for t < 0
+  n += (__builtin_convertvector(n, vfloat) > t);  // the comparison is -1 where true
+  const vfloat fn = __builtin_convertvector(n, vfloat);
+  const vfloat r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  vfloat y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  return y * (vfloat)((n + 127) << 23);
+}
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t n) {
   vfloat acc = {};
@@ -144,8 +164,15 @@ inline __attribute__((always_inline)) void attend(const T* q, const T* k_cache, 
       float mx = m[h];
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, ph[j]);
       const float alpha = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
+      vfloat sums = {};
+      int64_t j = 0;
+      for (; j + W <= n; j += W) {
+        const vfloat e = exp_nonpositive(load(ph + j) - mx);
+        store(ph + j, e);
+        sums += e;
+      }
+      float sum = hsum(sums);
+      for (; j < n; ++j) {
         ph[j] = std::exp(ph[j] - mx);
         sum += ph[j];
       }

@@ -24,6 +24,7 @@ read every weight.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -263,13 +264,18 @@ class HFGenerateBatchRunner:
         gen = GenerationConfig(
             do_sample=False, max_new_tokens=cfg.decode_len, eos_token_id=-1, pad_token_id=0
         )
-        cb = ContinuousBatchingConfig(
-            page_size=page,
-            num_blocks=num_blocks,
-            max_batch_tokens=cfg.batch_tokens,
-            max_requests_per_batch=len(prompts),
-            auto_switch_to_flash=False,
-        )
+        # Field names moved between transformers releases (5.17: block_size; 5.24: page_size and
+        # auto_switch_to_flash): pass what this version has.
+        known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+        options = {
+            "page_size" if "page_size" in known else "block_size": page,
+            "num_blocks": num_blocks,
+            "max_batch_tokens": cfg.batch_tokens,
+            "max_requests_per_batch": len(prompts),
+        }
+        if "auto_switch_to_flash" in known:
+            options["auto_switch_to_flash"] = False
+        cb = ContinuousBatchingConfig(**options)
         out = self.model.generate_batch(
             prompts, generation_config=gen, continuous_batching_config=cb, record_timestamps=True
         )

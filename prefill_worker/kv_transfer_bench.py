@@ -1,6 +1,6 @@
 """Loopback throughput of the `grpc` KV transport: one real `KVServer` + `GrpcKVClient` pair.
 
-    python -m cluster.benchmarks.kv_transfer_bench [--prompt-len 2046] [--chunks 1,4] [--repeats 9]
+    python -m prefill_worker.kv_transfer_bench [--prompt-len 2046] [--chunks 1,4] [--repeats 9]
 
 A prefill engine on the `small` checkpoint (built under ~/.cache/pdserve/models if absent)
 prefills one `--prompt-len`-token prompt and leases its KV; then `GrpcKVClient.fetch` pulls that
@@ -10,7 +10,9 @@ fetch is checked bit-exact against the pool's own export once. Prints one row pe
 bytes per fetch, median / min fetch ms, and GB/s at the median.
 
 Both ends live in one process and one event loop, as in tests/prefill_worker; on a 2-core
-machine the server's and the client's work share the same cores.
+machine the server's and the client's work share the same cores. It lives in `prefill_worker`,
+not `cluster/benchmarks`, because it runs the prefill worker's `KVServer` and `cluster` may not
+import the role packages (tests/test_import_graph.py).
 """
 
 from __future__ import annotations

@@ -41,7 +41,14 @@ from cluster.kv_cache import KVLayout
 from cluster.kv_channel import PREFILL_RANK, KVChannel, transport_device
 from cluster.kv_channel_cache import KVChannelCache
 from cluster.kv_handle import KVHandle, layout_from_proto
-from cluster.kv_wire import encode_chunks, unit_bytes
+from cluster.kv_wire import (
+    ChunkRange,
+    chunk_header,
+    chunk_ranges,
+    encode_frame,
+    gather_chunks,
+    unit_bytes,
+)
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import (
     KVTransferServicer,
@@ -50,6 +57,7 @@ from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import (
 from prefill_worker.lease_keeper import LeaseKeeper
 
 HEADER_SLACK = 4096  # room for the chunk header and protobuf framing above max_chunk_bytes
+SERVICE = "pdserve.v1.KVTransfer"
 MAX_REQUEST_BYTES = 4 << 20  # a FetchKVRequest carries a handle: ~5 bytes per block id
 
 log = logging.getLogger(__name__)
@@ -118,7 +126,7 @@ class KVServer(KVTransferServicer):
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
             ]
         )
-        add_KVTransferServicer_to_server(self, server)
+        _add_servicer(self, server)
         host = f"[{self.host}]" if ":" in self.host else self.host
         port = server.add_insecure_port(f"{host}:{self.port}")
         await server.start()
@@ -143,7 +151,9 @@ class KVServer(KVTransferServicer):
 
     async def FetchKV(
         self, request: pb.FetchKVRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.KVChunk]:
+    ) -> AsyncIterator[bytes]:
+        """Yields `KVChunk` messages already in wire form (`kv_wire.encode_frame`); the method is
+        registered without a response serializer (`_add_servicer`)."""
         try:
             rid, block_ids = await self._pin(request)
         except PdServeError as exc:
@@ -151,8 +161,8 @@ class KVServer(KVTransferServicer):
         try:
             limit = request.max_chunk_bytes or self.max_chunk_bytes
             limit = max(min(limit, self.max_chunk_bytes), self.unit_bytes)
-            async for header, data in self._chunks(rid, block_ids, limit):
-                yield pb.KVChunk(header=header, data=data)
+            async for frame in self._frames(rid, block_ids, limit):
+                yield frame
         except PdServeError as exc:
             await _abort(context, exc)
         finally:
@@ -292,38 +302,101 @@ class KVServer(KVTransferServicer):
 
     # -- reading ---------------------------------------------------------------------------
 
-    async def _chunks(
+    async def _frames(
         self, request_id: str, block_ids: list[int], max_chunk_bytes: int
-    ) -> AsyncIterator[tuple[bytes, bytes]]:
-        num_layers = self.layout.num_layers
-        per_read = max(1, self.read_batch_bytes // (len(block_ids) * self.unit_bytes))
-        for l0 in range(0, num_layers, per_read):
-            layers = slice(l0, min(l0 + per_read, num_layers))
-            k, v = await self.engine.call(partial(_read, request_id, block_ids, layers))
-            for chunk in await asyncio.to_thread(_encode, k, v, max_chunk_bytes, l0):
-                yield chunk
+    ) -> AsyncIterator[bytes]:
+        """The lease's chunks in wire form. A producer task reads them out of the pool (on the
+        engine thread, up to `read_batch_bytes` per call) and frames them (on a worker thread)
+        while earlier chunks are sent; at most two framed chunks wait for the socket."""
+        frames: asyncio.Queue[bytes | Exception | None] = asyncio.Queue(maxsize=2)
+        producer = asyncio.create_task(
+            self._produce(request_id, block_ids, max_chunk_bytes, frames)
+        )
+        try:
+            while (frame := await frames.get()) is not None:
+                if isinstance(frame, Exception):
+                    raise frame
+                yield frame
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+    async def _produce(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        max_chunk_bytes: int,
+        frames: asyncio.Queue[bytes | Exception | None],
+    ) -> None:
+        try:
+            ranges = chunk_ranges(
+                self.layout.num_layers, len(block_ids), self.unit_bytes, max_chunk_bytes
+            )
+            per_read = max(1, self.read_batch_bytes // max_chunk_bytes)
+            for i in range(0, len(ranges), per_read):
+                batch = ranges[i : i + per_read]
+                pieces = await self.engine.call(partial(_read, request_id, block_ids, batch))
+                for r, data in zip(batch, pieces, strict=True):
+                    await frames.put(await asyncio.to_thread(_frame, r, data, self.layout.dtype))
+            await frames.put(None)
+        except Exception as exc:  # handed to the stream, which fails the RPC with it
+            await frames.put(exc)
 
 
-def _read(request_id: str, block_ids: list[int], layers: slice, engine: Engine):
-    """On the engine thread: copy the lease's blocks, after checking they are still its own."""
+def _read(request_id: str, block_ids: list[int], ranges: list[ChunkRange], engine: Engine):
+    """On the engine thread: copy the chunks `ranges` of the lease's blocks out of the pool."""
+    _check_held(request_id, block_ids, engine)
+    return gather_chunks(engine.kv_cache.k, engine.kv_cache.v, block_ids, ranges)
+
+
+def _check_held(request_id: str, block_ids: list[int], engine: Engine) -> None:
+    """On the engine thread, before a read: the blocks are still the lease's own."""
     held, _ = engine.held_blocks(request_id)
     if held != block_ids:
         raise NotFound(f"the KV blocks of request {request_id!r} are no longer held")
-    return engine.kv_cache.read(block_ids, layers=layers)
+
+
+def _frame(r: ChunkRange, data, dtype: str) -> bytes:
+    return encode_frame(chunk_header(r, data, dtype), data)
 
 
 def _read_for_send(request_id: str, block_ids: list[int], device: torch.device, engine: Engine):
     """On the engine thread: the lease's blocks as two contiguous tensors on `device` (the
     pool's own device under nccl: no host copy), complete before any other stream reads them."""
-    k, v = _read(request_id, block_ids, slice(None), engine)
+    _check_held(request_id, block_ids, engine)
+    k, v = engine.kv_cache.read(block_ids)
     k, v = k.to(device), v.to(device)
     if k.is_cuda:
         torch.cuda.current_stream(k.device).synchronize()
     return k, v
 
 
-def _encode(k, v, max_chunk_bytes: int, layer_offset: int) -> list[tuple[bytes, bytes]]:
-    return list(encode_chunks(k, v, max_chunk_bytes, layer_offset=layer_offset))
+def _add_servicer(servicer: KVServer, server: grpc.aio.Server) -> None:
+    """`add_KVTransferServicer_to_server`, except that FetchKV sends the bytes its handler
+    yields as they are: they are `KVChunk` messages framed by `cluster.kv_wire`, which
+    protobuf would copy twice more on the way out."""
+    generated = _Handlers()
+    add_KVTransferServicer_to_server(servicer, generated)
+    handlers = dict(generated.handlers)
+    handlers["FetchKV"] = grpc.unary_stream_rpc_method_handler(
+        servicer.FetchKV, request_deserializer=pb.FetchKVRequest.FromString
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
+class _Handlers:
+    """Stands in for a server to collect the generated method handlers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, generic_handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers) -> None:
+        assert service == SERVICE, service
+        self.handlers = handlers
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: PdServeError) -> None:

@@ -1,16 +1,27 @@
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from dataclasses import replace
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
 from cluster.errors import FailedPrecondition, InvalidArgument
 from cluster.kv_cache import KVLayout
-from cluster.kv_wire import MAX_HEADER_BYTES, ChunkAssembler, encode_chunks, unit_bytes
+from cluster.kv_wire import (
+    MAX_HEADER_BYTES,
+    ChunkAssembler,
+    checksum,
+    chunk_ranges,
+    decode_frame,
+    encode_chunks,
+    encode_frame,
+    gather_chunks,
+    unit_bytes,
+)
+from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
 LAYOUT = KVLayout("m@abc", "float32", num_layers=3, num_kv_heads=2, head_dim=4, block_size=4)
 UNIT = unit_bytes(LAYOUT)  # 2 * 4 * 2 * 4 * 4 = 256 bytes
@@ -36,7 +47,7 @@ def assembler(layout: KVLayout = LAYOUT) -> ChunkAssembler:
 
 def chunks(max_chunk_bytes: int = 2 * UNIT) -> list[tuple[bytes, bytes]]:
     k, v = kv()
-    return list(encode_chunks(k, v, max_chunk_bytes))
+    return [(header, bytes(data)) for header, data in encode_chunks(k, v, max_chunk_bytes)]
 
 
 def untouched(asm: ChunkAssembler) -> bool:
@@ -95,7 +106,7 @@ def test_header_is_the_documented_map() -> None:
         "dtype": "float32",
         "shape": [1, 2, 2, 4, 2, 4],
         "nbytes": 2 * UNIT,
-        "checksum": zlib.crc32(data),
+        "checksum": checksum(data),
     }
     k, v = kv()
     piece = torch.frombuffer(bytearray(data), dtype=torch.float32).view(h["shape"])
@@ -126,7 +137,7 @@ HUGE = 1 << 62
 
 
 def recrc(data: bytes) -> int:
-    return zlib.crc32(data)
+    return checksum(data)
 
 
 # (name, error, tamper(header, data) -> (header, data))
@@ -234,3 +245,127 @@ def test_receiver_layout_mismatch_is_a_failed_precondition() -> None:
     header, data = chunks(2 * UNIT)[0]
     with pytest.raises(FailedPrecondition):
         asm.add(header, data)
+
+
+# -- the checksum -------------------------------------------------------------------------
+
+
+def slow_checksum(data: bytes) -> int:
+    """The definition in `checksum`'s docstring, word by word: the oracle for the numpy one."""
+    data = data + bytes(-len(data) % 4)
+    a = b = 0
+    for i in range(len(data) // 4):
+        w = int.from_bytes(data[4 * i : 4 * i + 4], "little")
+        a += w
+        b += (i + 1) * w
+    return (b % 2**32) << 32 | a % 2**32
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 4, 5, 1000, 4 * 4096 - 4, 4 * 4096, 4 * 4096 * 3 + 7])
+def test_checksum_matches_its_definition(size: int) -> None:
+    gen = torch.Generator().manual_seed(size)
+    data = bytes(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).tolist())
+    assert checksum(data) == slow_checksum(data)
+    assert checksum(memoryview(data)) == checksum(np.frombuffer(data, dtype=np.uint8))
+    if size % 4 == 0:
+        assert checksum(np.frombuffer(data, dtype=np.int32)) == slow_checksum(data)
+
+
+def test_checksum_catches_every_single_byte_change() -> None:
+    data = bytearray(torch.randint(0, 256, (4 * 4096 + 40,), dtype=torch.uint8).tolist())
+    good = checksum(bytes(data))
+    for pos in range(len(data)):
+        for delta in (1, 0x80, 0xFF):
+            data[pos] ^= delta
+            assert checksum(bytes(data)) != good, (pos, delta)
+            data[pos] ^= delta
+
+
+def test_checksum_sees_swapped_words_and_blocks() -> None:
+    data = bytes(torch.randint(0, 256, (8 * 4096,), dtype=torch.uint8).tolist())
+    words = np.frombuffer(data, dtype=np.uint32).copy()
+    words[[3, 4100]] = words[[4100, 3]]
+    assert checksum(words) != checksum(data)
+    half = len(data) // 2
+    assert checksum(data[half:] + data[:half]) != checksum(data)
+
+
+# -- framing: the KVChunk message by hand -------------------------------------------------
+
+
+@pytest.mark.parametrize("data_len", [1, 127, 128, 300, 1 << 20])
+def test_frames_are_kvchunk_messages(data_len: int) -> None:
+    header, data = b"h" * 120, bytes(range(256)) * (data_len // 256) + b"x" * (data_len % 256)
+    frame = encode_frame(header, data)
+    assert frame == pb.KVChunk(header=header, data=data).SerializeToString()
+    msg = pb.KVChunk.FromString(frame)
+    assert (msg.header, msg.data) == (header, data)
+    got_header, got_data = decode_frame(frame)
+    assert got_header == header and bytes(got_data) == data
+    array = np.frombuffer(data, dtype=np.uint8)
+    assert encode_frame(header, array) == frame
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\x0a",
+        b"\x0a\x03abc",  # no data field
+        b"\x12\x01x\x0a\x01h",  # fields out of order
+        b"\x0a\x00\x12\x01x",  # empty header
+        b"\x0a\x01h\x12\x00",  # empty data
+        b"\x0a\x01h\x12\x02x",  # data shorter than its length
+        b"\x0a\x01h\x12\x01xy",  # trailing bytes
+        b"\x0a\x01h\x1a\x01x",  # unknown field 3
+        b"\x0a\xff\xff\xff\xff\xff\xff\x01h",  # oversized varint
+        b"\x0a\x01h\x12\xff\xff\xff\xff\x0fx",  # length far past the end
+    ],
+)
+def test_malformed_frames_are_refused(frame: bytes) -> None:
+    with pytest.raises(InvalidArgument):
+        decode_frame(frame)
+
+
+def test_framed_chunks_round_trip_through_the_assembler() -> None:
+    k, v = kv()
+    asm = ChunkAssembler(LAYOUT, NUM_BLOCKS, NUM_TOKENS, max_blocks=NUM_BLOCKS)
+    for header, data in encode_chunks(k, v, 2 * UNIT):
+        asm.add(*decode_frame(encode_frame(header, data)))
+    out = asm.finish()
+    assert torch.equal(out.k, k) and torch.equal(out.v, v)
+
+
+# -- gathering chunks out of a paged pool -------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("max_chunk_bytes", [UNIT, 3 * UNIT, 1 << 20])
+def test_gather_chunks_reads_the_named_blocks_of_a_pool(dtype: str, max_chunk_bytes: int) -> None:
+    layout = replace(LAYOUT, dtype=dtype)
+    pool_k, pool_v = kv(layout, num_blocks=12, seed=3)
+    block_ids = [7, 2, 11, 3, 0]
+    ranges = chunk_ranges(layout.num_layers, len(block_ids), unit_bytes(layout), max_chunk_bytes)
+    want_k, want_v = pool_k[:, block_ids], pool_v[:, block_ids]
+    asm = ChunkAssembler(layout, NUM_BLOCKS, NUM_TOKENS, max_blocks=NUM_BLOCKS)
+    for r, data in zip(ranges, gather_chunks(pool_k, pool_v, block_ids, ranges), strict=True):
+        assert data.flags.c_contiguous and data.nbytes <= max_chunk_bytes
+        header = encode_chunks(
+            want_k[r.layer_start : r.layer_end, r.block_start : r.block_end],
+            want_v[r.layer_start : r.layer_end, r.block_start : r.block_end],
+            max_chunk_bytes,
+        )
+        (h, d), *_ = header
+        assert bytes(d) == data.tobytes()
+        asm.add(msgpack.packb({**msgpack.unpackb(h), **r._asdict()}), memoryview(data).cast("B"))
+    out = asm.finish()
+    assert torch.equal(out.k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(out.v.view(torch.uint8), want_v.view(torch.uint8))
+
+
+def test_gather_chunks_refuses_block_ids_outside_the_pool() -> None:
+    pool_k, pool_v = kv(num_blocks=4)
+    ranges = chunk_ranges(LAYOUT.num_layers, 2, UNIT, 1 << 20)
+    for block_ids in ([0, 4], [-1, 0]):
+        with pytest.raises(InvalidArgument):
+            gather_chunks(pool_k, pool_v, block_ids, ranges)

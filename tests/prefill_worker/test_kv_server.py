@@ -23,10 +23,12 @@ from cluster.engine import Engine
 from cluster.errors import FailedPrecondition, InvalidArgument, Unauthenticated, Unavailable
 from cluster.grpc_kv_client import GrpcKVClient
 from cluster.kv_handle import KVHandle, layout_to_proto
+from cluster.kv_wire import chunk_header, encode_frame
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferStub
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
+from prefill_worker import kv_server
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
 
@@ -304,6 +306,45 @@ def test_status_codes_chunk_bounds_and_cancelled_streams_on_the_wire(llama_dir: 
                     await asyncio.sleep(0.01)
                 assert p.leases._leases["r1"].fetches == 0
             assert await p.client.release(handle, "aborted")
+
+    run(main())
+
+
+def test_corrupted_or_mislabelled_chunks_are_refused_as_unavailable(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk damaged between the pool and the decode side fails the fetch as a malformed
+    stream (Unavailable, so the router may retry from prefill); the lease survives it."""
+    good_frame = kv_server._frame
+
+    def flip_a_byte(r, data, dtype):
+        frame = bytearray(good_frame(r, data, dtype))
+        frame[-1] ^= 0x10
+        return bytes(frame)
+
+    def lie_about_nbytes(r, data, dtype):
+        header = msgpack.unpackb(chunk_header(r, data, dtype))
+        header["nbytes"] += 4
+        return encode_frame(msgpack.packb(header), data.tobytes() + bytes(4))
+
+    def bad_frame(r, data, dtype):
+        return good_frame(r, data, dtype)[:-1]
+
+    async def main() -> None:
+        async with pair(llama_dir) as p:
+            ids = prompt(40, 11)
+            handle = await p.prefill_handle("r1", ids)
+            for tamper, match in [
+                (flip_a_byte, "checksum"),
+                (lie_about_nbytes, "needs .* bytes"),
+                (bad_frame, "KVChunk|past the end"),
+            ]:
+                monkeypatch.setattr(kv_server, "_frame", tamper)
+                with pytest.raises(Unavailable, match=match):
+                    await p.client.fetch(handle, p.decode.engine.layout)
+            monkeypatch.setattr(kv_server, "_frame", good_frame)
+            assert p.leases.outstanding() == 1
+            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
 
     run(main())
 

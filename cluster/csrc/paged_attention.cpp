@@ -3,8 +3,9 @@
 // every key/value row is read once, online softmax over blocks, fp32 accumulation.
 //
 // Built by cluster/decode_attention.py with torch.utils.cpp_extension. The inner loop is cloned
-// per instruction set (target_clones, picked at load time by the CPU's features), so the same
-// binary runs on any x86-64 CPU and uses AVX-512 where there is one.
+// per instruction set on x86-64 (target_clones, picked at load time by the CPU's features), so
+// the same binary runs on any x86-64 CPU and uses AVX-512 where there is one. Needs GCC >= 12 or
+// Clang (__builtin_shufflevector); where it does not build, the torch path serves instead.
 
 #include <torch/extension.h>
 
@@ -193,7 +194,11 @@ inline __attribute__((always_inline)) void attend(const T* q, const T* k_cache, 
   }
 }
 
+#if defined(__x86_64__)
 #define PDSERVE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define PDSERVE_CLONES
+#endif
 
 PDSERVE_CLONES void attend_f32(const float* q, const float* k, const float* v,
                                const int32_t* table, int64_t ctx, const Geometry& geo,

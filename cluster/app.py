@@ -26,6 +26,12 @@ ROLE_CLASSES = {
 # A replica being removed gets this long to finish its streams and hand over its KV leases.
 GRACEFUL_SHUTDOWN_S = 30.0
 GRPC_SERVICER = "cluster.pb.pdserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"
+# How Serve runs every pdserve replica. By default Serve runs a replica's methods on a second
+# event loop in a thread of its own, and each streamed item then crosses threads twice more
+# under the GIL that the engine thread also needs; pdserve's replica methods never block (the
+# engine has its own thread), so they run on Serve's main loop. Measured with
+# `serving_bench --quick` on 2 cores: 9.1 -> 5.7 ms per streamed token.
+REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
@@ -60,10 +66,12 @@ def _deployment(name: str, pool: PoolConfig):
         if pool.autoscaling is not None
         else {"num_replicas": pool.replicas}
     )
+    options = pool.actor_options()
+    options["runtime_env"] = {"env_vars": dict(REPLICA_ENV_VARS)}
     return serve.deployment(
         cls,
         name=name,
-        ray_actor_options=pool.actor_options(),
+        ray_actor_options=options,
         max_ongoing_requests=pool.ongoing_limit,
         max_queued_requests=pool.queued_limit,
         health_check_period_s=5,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -103,6 +105,7 @@ def load_kernel() -> object | None:
     try:
         from torch.utils import cpp_extension
 
+        _put_ninja_on_path()
         return cpp_extension.load(
             name="pdserve_paged_attention",
             sources=[str(KERNEL_SOURCE)],
@@ -112,3 +115,16 @@ def load_kernel() -> object | None:
     except Exception as e:  # no compiler, no headers, a build error: serve on the slow path
         log.warning("paged attention kernel unavailable, using the torch path: %s", e)
         return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch builds with the `ninja` found on PATH. The `ninja` package (a pdserve dependency)
+    installs one beside the interpreter, which a process started without the virtual
+    environment activated (a Ray worker, `/path/to/venv/bin/python -m ...`) does not see."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])

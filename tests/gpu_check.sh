@@ -14,7 +14,8 @@
 #
 # Runs from a checkout without installing pdserve (PYTHONPATH), against whatever torch,
 # transformers, grpcio, msgpack and pytest the machine has. If Ray is not installed and
-# $PDSERVE_SITE_BUNDLE names a tar.xz of site-packages, it is unpacked and put on PYTHONPATH.
+# $PDSERVE_SITE_BUNDLE names a tar.xz of site-packages, it is unpacked and put on PYTHONPATH
+# (how to build one: tests/gpu_site_bundle.md).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}

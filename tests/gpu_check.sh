@@ -13,9 +13,9 @@
 #   GPU_CHECK_STAGES="tests engine" bash tests/gpu_check.sh
 #
 # Runs from a checkout without installing pdserve (PYTHONPATH), against whatever torch,
-# transformers, grpcio, msgpack and pytest the machine has. If Ray is not installed and
-# $PDSERVE_SITE_BUNDLE names a tar.xz of site-packages, it is unpacked and put on PYTHONPATH
-# (how to build one: tests/gpu_site_bundle.md).
+# transformers, grpcio, msgpack and pytest the machine has. If $PDSERVE_SITE_BUNDLE names a
+# tar.xz of site-packages (Ray Serve for a machine without it; how to build one:
+# tests/gpu_site_bundle.md), it is unpacked and put on PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}

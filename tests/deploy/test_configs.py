@@ -196,12 +196,19 @@ def check_args_agree(raw: dict[str, Any]) -> None:
     """The `deployments:` overrides and the args' pools say the same thing."""
     for app in raw["applications"]:
         config = app_config_of(app["args"])
+        app_env = (app.get("runtime_env") or {}).get("env_vars") or {}
         for dep in app.get("deployments", []):
             pool = getattr(config, POOL_OF[dep["name"]])
             where = f"{app['name']}/{dep['name']}"
             if "ray_actor_options" in dep:
                 got = actor_options(dep["ray_actor_options"])
                 assert got == actor_options(pool.actor_options()), where
+                # Serve replaces the code's ray_actor_options, runtime_env included; the
+                # app's runtime_env (merged into every deployment's) must bring the replica
+                # settings back.
+                dep_env = (dep["ray_actor_options"].get("runtime_env") or {}).get("env_vars")
+                env = {**app_env, **(dep_env or {})}
+                assert env.items() >= cluster.app.REPLICA_ENV_VARS.items(), f"{where}: env"
             if "max_ongoing_requests" in dep:
                 assert dep["max_ongoing_requests"] == pool.ongoing_limit, where
             scaling = dep.get("autoscaling_config")
@@ -255,6 +262,13 @@ def test_serve_check_fails_on_a_broken_copy(breakage):
     breakage(broken)
     with pytest.raises((AssertionError, ValueError, AttributeError, InvalidArgument)):
         check_serve_config(broken)
+
+
+def test_args_check_fails_without_the_replica_env_vars():
+    broken = load(PRODUCTION)
+    del broken["applications"][0]["runtime_env"]
+    with pytest.raises(AssertionError, match="env"):
+        check_args_agree(broken)
 
 
 def test_args_check_fails_when_pools_disagree():

@@ -19,6 +19,7 @@ from cluster.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.direct_kv_client import DirectKVClient
 from cluster.engine import Engine
 from cluster.errors import FailedPrecondition, InvalidArgument, Unauthenticated, Unavailable
+from cluster.kv_cache import KVExport
 from cluster.kv_channel import transport_device
 from cluster.kv_handle import KVHandle
 from prefill_worker.kv_server import KVServer
@@ -29,6 +30,7 @@ from tests.prefill_worker.test_kv_server import (
     MAX_CHUNK_BYTES,
     Pair,
     colocated,
+    fetch_exact_then_decode,
     prompt,
     run,
 )
@@ -286,17 +288,12 @@ def test_gloo_moves_gpu_kv_through_host_memory(llama_dir: Path) -> None:
     decode continues like a colocated GPU run."""
     prompts = {"r-long": prompt(40, 13), "r-short": prompt(3, 14)}
 
+    def from_the_gpu(got: KVExport, want: KVExport) -> None:
+        assert want.k.is_cuda
+
     async def main() -> dict[str, list[int]]:
         async with direct_pair(llama_dir, "gloo", devices=("cuda", "cuda")) as p:
-            handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
-            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
-            got = await p.client.fetch(handles["r-long"], p.decode.engine.layout)
-            assert want.k.is_cuda
-            assert torch.equal(got.k.cpu(), want.k.cpu()) and torch.equal(got.v.cpu(), want.v.cpu())
-            tokens = await asyncio.gather(
-                *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
-            )
-            return dict(zip(prompts, tokens, strict=True))
+            return await fetch_exact_then_decode(p, prompts, from_the_gpu)
 
     got = run(main())
     for rid, ids in prompts.items():
@@ -312,17 +309,12 @@ def test_nccl_moves_gpu_kv_between_two_devices(llama_dir: Path) -> None:
         pytest.skip("NCCL refuses two ranks on one GPU: needs two devices")
     prompts = {"r-long": prompt(40, 11), "r-short": prompt(3, 12)}
 
+    def straight_into_gpu_memory(got: KVExport, want: KVExport) -> None:
+        assert got.k.device == torch.device("cuda:1")
+
     async def main() -> dict[str, list[int]]:
         async with direct_pair(llama_dir, "nccl", devices=("cuda:0", "cuda:1")) as p:
-            handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
-            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
-            got = await p.client.fetch(handles["r-long"], p.decode.engine.layout)
-            assert got.k.device == torch.device("cuda:1")  # straight into GPU memory
-            assert torch.equal(got.k.cpu(), want.k.cpu()) and torch.equal(got.v.cpu(), want.v.cpu())
-            tokens = await asyncio.gather(
-                *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
-            )
-            return dict(zip(prompts, tokens, strict=True))
+            return await fetch_exact_then_decode(p, prompts, straight_into_gpu_memory)
 
     got = run(main())
     for rid, ids in prompts.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,8 +22,9 @@ from cluster.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.engine import Engine
 from cluster.errors import FailedPrecondition, InvalidArgument, Unauthenticated, Unavailable
 from cluster.grpc_kv_client import GrpcKVClient
+from cluster.kv_cache import KVExport
 from cluster.kv_handle import KVHandle, layout_to_proto
-from cluster.kv_wire import chunk_header, encode_frame
+from cluster.kv_wire import DTYPES, chunk_header, encode_frame
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferStub
 from cluster.request import Request
@@ -136,6 +137,23 @@ async def pair(
         await leases.stop()
         await prefill.stop()
         await decode.stop()
+
+
+async def fetch_exact_then_decode(
+    p: Pair, prompts: dict[str, tuple[int, ...]], check: Callable[[KVExport, KVExport], None]
+) -> dict[str, list[int]]:
+    """Prefill every prompt; fetch the first one's KV once, `check(fetched, the prefill side's
+    own export)` and require it bit-exact; then fetch and decode all of them concurrently."""
+    handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
+    first = next(iter(prompts))
+    want = await p.prefill.call(lambda e: e.export_kv(first))
+    got = await p.client.fetch(handles[first], p.decode.engine.layout)
+    check(got, want)
+    assert torch.equal(got.k.cpu(), want.k.cpu()) and torch.equal(got.v.cpu(), want.v.cpu())
+    tokens = await asyncio.gather(
+        *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
+    )
+    return dict(zip(prompts, tokens, strict=True))
 
 
 def colocated(path: Path, rid: str, ids: tuple[int, ...], **model) -> list[int]:
@@ -437,22 +455,13 @@ def test_grpc_moves_gpu_kv_between_gpu_engines(llama_dir: Path, dtype: str) -> N
     model = {"device": "cuda", "dtype": dtype}
     prompts = {"r-long": prompt(40, 21), "r-short": prompt(5, 22)}
 
+    def on_the_gpu(got: KVExport, want: KVExport) -> None:
+        assert want.k.is_cuda and got.k.dtype == want.k.dtype == DTYPES[dtype]
+
     async def main() -> dict[str, list[int]]:
         async with pair(llama_dir, **model) as p:
-            handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
-            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
-            got = await p.client.fetch(handles["r-long"], p.decode.engine.layout)
-            assert want.k.is_cuda and got.k.dtype == want.k.dtype == model_dtype(dtype)
-            assert torch.equal(got.k.cpu(), want.k.cpu()) and torch.equal(got.v.cpu(), want.v.cpu())
-            tokens = await asyncio.gather(
-                *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
-            )
-            return dict(zip(prompts, tokens, strict=True))
+            return await fetch_exact_then_decode(p, prompts, on_the_gpu)
 
     got = run(main())
     for rid, ids in prompts.items():
         assert got[rid] == colocated(llama_dir, rid, ids, **model), rid
-
-
-def model_dtype(name: str) -> torch.dtype:
-    return ModelConfig("unused", dtype=name).torch_dtype

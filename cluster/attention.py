@@ -107,8 +107,9 @@ def paged_attention(
         out[d.rows] = meta.decode_attention(q[d.rows], k_cache, v_cache, d, scale)
     bsz, max_blocks = p.block_tables.shape
     context = (bsz, max_blocks * block_size, num_kv_heads, head_dim)
-    kg = k_cache.index_select(0, p.block_tables.flatten()).view(context).transpose(1, 2)
-    vg = v_cache.index_select(0, p.block_tables.flatten()).view(context).transpose(1, 2)
+    tables = p.block_tables.flatten()
+    kg = k_cache.index_select(0, tables).view(context).transpose(1, 2)  # [B, Hkv, K, D]
+    vg = v_cache.index_select(0, tables).view(context).transpose(1, 2)
     qg = q[p.query_index].transpose(1, 2)  # [B, num_heads, max_q, head_dim]
     og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=p.mask, scale=scale, enable_gqa=True)
     og = og.transpose(1, 2)  # [B, max_q, num_heads, head_dim]

@@ -47,7 +47,7 @@ import grpc
 import torch
 
 from cluster.app_config import AppConfig, PoolConfig
-from cluster.benchmarks.engine_bench import cpu_model
+from cluster.benchmarks.engine_bench import cpu_model, device_name
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig, TransferConfig
 from cluster.engine import Engine
 from cluster.grpc_kv_client import GrpcKVClient
@@ -538,8 +538,8 @@ def render(res: Results, argv: list[str]) -> str:
         f"grpcio {grpc.__version__}",
         f"- load average before: {_load(res.load_before)}; after: {_load(res.load_after)}",
         f"- command: `python -m cluster.benchmarks.serving_bench {' '.join(argv)}`".rstrip(),
-        f"- config: checkpoint `{cfg.model_dir.name}`, {cfg.dtype} on {_device(cfg.device)}; "
-        f"1 router + 1 prefill + "
+        f"- config: checkpoint `{cfg.model_dir.name}`, {cfg.dtype} on {cfg.device} "
+        f"({device_name(cfg.device)}); 1 router + 1 prefill + "
         f"1 decode replica (colocated app: 1 router + 1 colocated replica); "
         f"{cfg.replica_cpus} Ray CPUs and {cfg.torch_threads} torch thread(s) per engine replica; "
         f"the in-process baseline uses the same engine config and "
@@ -677,12 +677,6 @@ def _cpu_table(res: Results) -> list[str]:
             cells.append(f"{_med(xs) * 1e3:.2f}" if xs else "–")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
-
-
-def _device(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{device} ({torch.cuda.get_device_name(device)}, shared by all engine replicas)"
-    return "CPU"
 
 
 def _load(x: tuple[float, float, float]) -> str:

@@ -184,9 +184,24 @@ def _histogram_count(metrics_port: int, name: str, app: str) -> float:
     return total
 
 
+def _settled_count(metrics_port: int, name: str, app: str, quiet_s: float = 12.0) -> float:
+    """The histogram's count once it has not moved for `quiet_s` (longer than Ray's 10 s
+    metrics report interval), so observations of earlier tests still on their way to the
+    exporter do not land inside the next measurement."""
+    deadline = time.monotonic() + 90
+    count, since = _histogram_count(metrics_port, name, app), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"{name} never settled"
+        time.sleep(1.0)
+        now = _histogram_count(metrics_port, name, app)
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 def test_prometheus_export_has_pdserve_metrics(scaling_app):
     name = "ray_pdserve_time_to_first_token_seconds"
-    before = _histogram_count(scaling_app.metrics_port, name, APP)
+    before = _settled_count(scaling_app.metrics_port, name, APP)
     sampling = pb.SamplingParams(max_tokens=3, temperature=0.0)
     for i in range(5):
         request = pb.GenerateRequest(prompt_token_ids=[7, 8, 9, i], sampling=sampling)

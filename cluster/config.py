@@ -23,6 +23,10 @@ class ModelConfig:
     device: str = "cpu"
     # A context longer than the checkpoint's max_position_embeddings is refused; 0 = use it.
     max_model_len: int = 0
+    # fp32 on the CPU: also keep every linear weight packed for MKL's GEMM (cluster/linear.py),
+    # which makes the GEMMs of decode batches of 4-96 sequences 5-35% faster and costs about
+    # as much memory again as the weights.
+    packed_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -11,20 +11,13 @@ Two implementations of one contract, chosen once per model runner by `select_dec
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
-
-KERNEL_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+from cluster.native import load_extension
 
 
 @dataclass(frozen=True)
@@ -98,33 +91,6 @@ def select_decode_attention(device: torch.device, sliding_window: int | None) ->
     return KernelDecodeAttention(sliding_window, kernel)
 
 
-@functools.cache
 def load_kernel() -> object | None:
-    """Compile (or fetch from torch's extension cache) the C++ kernel; None if that fails.
-    torch's loader holds a file lock while building, so concurrent processes build it once."""
-    try:
-        from torch.utils import cpp_extension
-
-        _put_ninja_on_path()
-        return cpp_extension.load(
-            name="pdserve_paged_attention",
-            sources=[str(KERNEL_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as e:  # no compiler, no headers, a build error: serve on the slow path
-        log.warning("paged attention kernel unavailable, using the torch path: %s", e)
-        return None
-
-
-def _put_ninja_on_path() -> None:
-    """torch builds with the `ninja` found on PATH. The `ninja` package (a pdserve dependency)
-    installs one beside the interpreter, which a process started without the virtual
-    environment activated (a Ray worker, `/path/to/venv/bin/python -m ...`) does not see."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    """The compiled paged attention kernel, or None where it cannot be built."""
+    return load_extension("pdserve_paged_attention", "paged_attention.cpp", openmp=True)

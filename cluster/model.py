@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.attention import AttentionMetadata, paged_attention
+from cluster.linear import Linear
 from cluster.rope import RopeAngles, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = (
@@ -60,10 +61,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
-        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.o_bias)
+        self.q_proj = Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = Linear(spec.num_heads * d, h, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
@@ -92,9 +93,9 @@ class MLP(nn.Module):
     def __init__(self, spec: ArchSpec) -> None:
         super().__init__()
         h, i = spec.hidden_size, spec.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=spec.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=spec.mlp_bias)
+        self.gate_proj = Linear(h, i, bias=spec.mlp_bias)
+        self.up_proj = Linear(h, i, bias=spec.mlp_bias)
+        self.down_proj = Linear(i, h, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -130,7 +131,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = DecoderModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from cluster.config import ModelConfig
 from cluster.errors import InvalidArgument
+from cluster.linear import pack_linears
 from cluster.model import SUPPORTED_ARCHITECTURES, ArchSpec, CausalLM
 from cluster.rope import RotaryEmbedding
 from cluster.sampling_params import SamplingParams
@@ -120,7 +121,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if spec.tie_word_embeddings:  # to_empty gave lm_head its own storage; share it again
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, _weight_files(Path(config.path)), spec, device)
-    return LoadedModel(model=model.to(config.torch_dtype).eval(), info=info)
+    model = model.to(config.torch_dtype).eval()
+    if config.packed_weights:
+        pack_linears(model)
+    return LoadedModel(model=model, info=info)
 
 
 @dataclass(frozen=True)

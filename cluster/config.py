@@ -82,7 +82,8 @@ class TransferConfig:
     # loopback (cluster/benchmarks/kv_transfer_bench.py).
     max_chunk_bytes: int = 4 << 20
     fetch_timeout_seconds: float = 30.0
-    # gloo/nccl: a (prefill, decode) pair's process group is closed after this long unused.
+    # A decode worker's channel to a prefill worker (gRPC; gloo/nccl: the pair's process group)
+    # is closed after this long unused (gRPC: and at least fetch_timeout_seconds).
     channel_idle_seconds: float = 60.0
     secret: str = ""
 

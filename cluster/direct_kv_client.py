@@ -51,7 +51,9 @@ def make_kv_client(transfer: TransferConfig, device: torch.device, max_blocks: i
     """The KV client for `transfer.transport`; `device` is the decode engine's."""
     args = (transfer.max_chunk_bytes, transfer.fetch_timeout_seconds)
     if transfer.transport == "grpc":
-        return GrpcKVClient(*args, max_blocks=max_blocks)
+        return GrpcKVClient(
+            *args, max_blocks=max_blocks, idle_seconds=transfer.channel_idle_seconds
+        )
     return DirectKVClient(
         transfer.transport,
         device,
@@ -73,7 +75,9 @@ class DirectKVClient(GrpcKVClient):
         idle_seconds: float = 60.0,
     ) -> None:
         """InvalidArgument if this process cannot run `transport` (nccl without CUDA)."""
-        super().__init__(max_chunk_bytes, timeout_s, max_blocks=max_blocks)
+        super().__init__(
+            max_chunk_bytes, timeout_s, max_blocks=max_blocks, idle_seconds=idle_seconds
+        )
         self.transport = transport
         self.device = transport_device(transport, device)
         self.channels: KVChannelCache[str] = KVChannelCache(idle_seconds, self._close_remote)

@@ -4,7 +4,9 @@
 chunk by chunk against the receiver's own layout (`cluster.kv_wire.ChunkAssembler`); it does
 not end the lease: once the data is in the decode pool, call `release(handle, "fetched")` (or
 "aborted" if the request is given up), so the prefill worker frees the blocks before the lease
-would expire. One channel per endpoint is kept until `close`.
+would expire. One channel per endpoint is kept, and closed once it has been unused for
+`idle_seconds` and for the `timeout_s` deadline of any call (so no call is still on it):
+prefill replicas come and go with autoscaling, and their endpoints with them.
 
 Errors, as pdserve errors: a layout mismatch is FailedPrecondition (raised before any network
 call when the handle already shows it); a bad token is Unauthenticated; an expired, released or
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -43,14 +46,26 @@ FETCH_METHOD = "/pdserve.v1.KVTransfer/FetchKV"
 
 
 class GrpcKVClient:
-    def __init__(self, max_chunk_bytes: int, timeout_s: float, *, max_blocks: int = 1 << 16):
+    def __init__(
+        self,
+        max_chunk_bytes: int,
+        timeout_s: float,
+        *,
+        max_blocks: int = 1 << 16,
+        idle_seconds: float = 60.0,
+    ):
         """`max_blocks` caps the KV one fetch may allocate (the decode pool's size is apt)."""
-        if max_chunk_bytes <= 0 or timeout_s <= 0 or max_blocks <= 0:
-            raise InvalidArgument("max_chunk_bytes, timeout_s and max_blocks must be positive")
+        if min(max_chunk_bytes, timeout_s, max_blocks, idle_seconds) <= 0:
+            raise InvalidArgument(
+                "max_chunk_bytes, timeout_s, max_blocks and idle_seconds must be positive"
+            )
         self.max_chunk_bytes = max_chunk_bytes
         self.timeout_s = timeout_s
         self.max_blocks = max_blocks
+        self.idle_seconds = idle_seconds
         self._stubs: dict[str, tuple[grpc.aio.Channel, KVTransferStub, FetchKV]] = {}
+        self._last_used: dict[str, float] = {}
+        self._closing: set[asyncio.Task] = set()
 
     async def fetch(self, handle: KVHandle, receiver_layout: KVLayout) -> KVExport:
         """The KV of `handle`, checked against `receiver_layout`. The lease stays held."""
@@ -114,14 +129,23 @@ class GrpcKVClient:
 
     async def close(self) -> None:
         stubs, self._stubs = self._stubs, {}
+        self._last_used.clear()
         for channel, _, _ in stubs.values():
             await channel.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def __len__(self) -> int:
+        """Open channels."""
+        return len(self._stubs)
 
     def _fetch_kv(self, endpoint: str) -> FetchKV:
         self._stub(endpoint)
         return self._stubs[endpoint][2]
 
     def _stub(self, endpoint: str) -> KVTransferStub:
+        now = time.monotonic()
+        self._last_used[endpoint] = now
+        self._close_idle(now)
         if endpoint not in self._stubs:
             channel = grpc.aio.insecure_channel(
                 endpoint,
@@ -140,6 +164,17 @@ class GrpcKVClient:
             )
             self._stubs[endpoint] = (channel, KVTransferStub(channel), fetch)
         return self._stubs[endpoint][1]
+
+    def _close_idle(self, now: float) -> None:
+        """Close the channels unused for longer than both the idle time and a call's deadline
+        (every call on a channel is made with `timeout_s`, so none is still running on it)."""
+        horizon = now - max(self.idle_seconds, self.timeout_s)
+        for endpoint in [e for e, t in self._last_used.items() if t < horizon]:
+            del self._last_used[endpoint]
+            channel = self._stubs.pop(endpoint)[0]
+            task = asyncio.get_running_loop().create_task(channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
 
 def _error(exc: grpc.aio.AioRpcError, handle: KVHandle) -> PdServeError:

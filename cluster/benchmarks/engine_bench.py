@@ -63,6 +63,7 @@ class BenchConfig:
     seed: int
     device: str = "cpu"
     dtype: str = "float32"
+    packed_weights: bool = True  # pdserve's ModelConfig.packed_weights
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -161,7 +162,12 @@ class PdserveRunner:
         per_seq = -(-(cfg.prompt_len + cfg.decode_len) // cfg.block_size)
         self.engine = Engine(
             EngineConfig(
-                model=ModelConfig(path=str(cfg.model_dir), dtype=cfg.dtype, device=cfg.device),
+                model=ModelConfig(
+                    path=str(cfg.model_dir),
+                    dtype=cfg.dtype,
+                    device=cfg.device,
+                    packed_weights=cfg.packed_weights,
+                ),
                 cache=CacheConfig(block_size=cfg.block_size, num_blocks=biggest * per_seq + 8),
                 scheduler=SchedulerConfig(
                     max_num_seqs=biggest, max_num_batched_tokens=cfg.batch_tokens
@@ -353,7 +359,8 @@ def render(
         "at the end of the run",
         f"- torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"transformers {transformers.__version__}; Python {platform.python_version()}",
-        f"- device: {cfg.device} ({device_name(cfg.device)}), dtype {cfg.dtype}",
+        f"- device: {cfg.device} ({device_name(cfg.device)}), dtype {cfg.dtype}; pdserve "
+        f"packed weights {'on' if cfg.packed_weights else 'off'}",
         f"- model: `{cfg.preset}` preset at `{cfg.model_dir}`; a batch-1 step reads "
         f"{weight_bytes / 1e6:,.1f} MB of weights",
         f"- workload: random prompts of {cfg.prompt_len} tokens, {cfg.decode_len} greedy new "
@@ -439,6 +446,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; every system runs there")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument(
+        "--no-packed-weights",
+        action="store_true",
+        help="pdserve without its packed fp32 GEMM weights (ModelConfig.packed_weights=False)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: tiny preset, batches 1,2")
     p.add_argument("--out", type=Path, default=None, help="also write the Markdown report here")
     a = p.parse_args(argv)
@@ -462,6 +474,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
         seed=a.seed,
         device=a.device,
         dtype=a.dtype,
+        packed_weights=not a.no_packed_weights,
     )
     return a, cfg
 

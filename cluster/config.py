@@ -45,6 +45,9 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int = 1024
+    # Keep the KV of finished prompts' full blocks, reclaimable, and reuse it for any later
+    # prompt that starts with the same tokens (cluster/block_manager.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

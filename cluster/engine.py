@@ -59,7 +59,9 @@ class Engine:
         self.kv_cache = KVCache(
             self.layout, config.cache.num_blocks, config.model.torch_dtype, self.device
         )
-        self.blocks = BlockManager(config.cache.num_blocks, config.cache.block_size)
+        self.blocks = BlockManager(
+            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.device)
         self.seqs: dict[str, Sequence] = {}
@@ -94,6 +96,7 @@ class Engine:
         seq.block_table = self.blocks.allocate(n)
         self.kv_cache.write(seq.block_table, kv.k, kv.v)
         seq.num_computed_tokens = kv.num_tokens
+        self.scheduler.register_blocks(seq, 0)
         self._admit(seq)
         self.scheduler.add_running(seq)
         # The prefill side already streamed this token and its text; only a finish is news.
@@ -138,8 +141,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.scheduled:
             tokens = self.runner.run(plan.scheduled)
-            for s in plan.scheduled:
-                s.seq.num_computed_tokens += s.num_tokens
+            self.scheduler.computed(plan.scheduled)
             for s, token in zip([s for s in plan.scheduled if s.samples], tokens, strict=True):
                 outputs.append(self._append(s.seq, token))
         return outputs
@@ -154,9 +156,10 @@ class Engine:
         text = detok.take(final=final) if detok is not None else ""
         if reason is not None:
             self._finish(seq, reason)
-        queued = 0.0
+        queued, cached = 0.0, 0
         if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
             queued = seq.first_scheduled_time - seq.request.arrival_time
+            cached = seq.num_cached_tokens
         return StepOutput(
             request_id=seq.request_id,
             token_ids=(token,),
@@ -165,6 +168,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             queue_seconds=queued,
+            num_cached_tokens=cached,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

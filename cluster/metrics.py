@@ -35,6 +35,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "pdserve_waiting_sequences": ("gauge", "Sequences waiting to be scheduled", ("pool",)),
     "pdserve_queued_prompt_tokens": ("gauge", "Prompt tokens not yet prefilled", ("pool",)),
     "pdserve_prompt_tokens_total": ("counter", "Prompt tokens of served requests", ("pool",)),
+    "pdserve_cached_prompt_tokens_total": (
+        "counter",
+        "Prompt tokens whose KV came from the prefix cache",
+        ("pool",),
+    ),
     "pdserve_generation_tokens_total": ("counter", "Generated tokens", ("pool",)),
     "pdserve_requests_finished_total": ("counter", "Finished requests", ("pool", "reason")),
 }

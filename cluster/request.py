@@ -36,6 +36,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     queue_seconds: float = 0.0  # on a sequence's first sampled output: arrival to first step
+    num_cached_tokens: int = 0  # on the first sampled output: prompt tokens the cache supplied
 
     @property
     def finished(self) -> bool:
@@ -51,10 +52,12 @@ class RequestOutput:
     text: str = ""
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
     def add(self, out: StepOutput) -> None:
         self.token_ids.extend(out.token_ids)
         self.text += out.text
         self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason

@@ -6,6 +6,11 @@ sequences continue, then waiting ones are admitted, their prompts cut into chunk
 remaining budget. When the pool cannot hold a running sequence's next block, the newest running
 sequence is preempted: its blocks are freed and it goes back to the head of the queue, to be
 recomputed from its tokens later.
+
+Prefix caching: a sequence admitted from the queue first takes the cached blocks of its longest
+cached prefix (`BlockManager.lookup`) and computes only the rest; at least its last token is
+always computed, since that yields the logits to sample from. Every block that a step (or an
+import) fills is registered in the cache.
 """
 
 from __future__ import annotations
@@ -96,17 +101,50 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            self._reuse_cached_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, n):
+                self._drop_blocks(seq)
                 break
             self.waiting.popleft()
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def computed(self, scheduled: list[ScheduledSeq]) -> None:
+        """After a step: the scheduled tokens' KV is in the pool."""
+        for s in scheduled:
+            before = s.seq.num_computed_tokens
+            s.seq.num_computed_tokens += s.num_tokens
+            self.register_blocks(s.seq, before)
+
+    def register_blocks(self, seq: Sequence, computed_before: int) -> None:
+        """Offer the blocks that became full since `computed_before` tokens to the cache."""
+        size = self.blocks.block_size
+        first, end = computed_before // size, seq.num_computed_tokens // size
+        if end <= first or not self.blocks.enable_caching:
+            return
+        hashes = seq.block_hashes(end, size)
+        for i in range(first, end):
+            self.blocks.register(seq.block_table[i], hashes[i])
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        if seq.block_table or not self.blocks.enable_caching:
+            return
+        usable = (seq.num_tokens - 1) // self.blocks.block_size  # keep the last token to compute
+        hit = self.blocks.lookup(seq.block_hashes(usable, self.blocks.block_size))
+        seq.block_table = hit
+        seq.num_computed_tokens = len(hit) * self.blocks.block_size
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Grow the block table to hold `n` more tokens; False if the pool is short."""
@@ -120,9 +158,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
+        self._drop_blocks(seq)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

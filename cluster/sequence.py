@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from cluster.prefix_hash import ROOT, block_hash
 from cluster.request import FinishReason, Request
 
 
@@ -31,7 +32,9 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.block_table: list[int] = []
+        self._block_hashes: list[bytes] = []  # of full blocks of token_ids, memoised
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -56,6 +59,16 @@ class Sequence:
     @property
     def in_decode(self) -> bool:
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    def block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """Content hashes of the first `num_blocks` full blocks of `token_ids` (tokens are only
+        ever appended, so the hashes of earlier blocks never change)."""
+        hashes = self._block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT
+            hashes.append(block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+        return hashes[:num_blocks]
 
     def append_token(self, token_id: int, max_model_len: int) -> FinishReason | None:
         """Add a sampled token; return why the sequence stops, if it does."""

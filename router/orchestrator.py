@@ -232,6 +232,7 @@ class _Tally:
         self.metrics = metrics
         self.last_at = start
         self.completion_tokens = 0
+        self.cached_prompt_tokens = 0
         self.first_token_at: float | None = None
         self.queue = self.prefill = self.transfer = 0.0
         self.prefill_replica = self.decode_replica = ""
@@ -242,6 +243,7 @@ class _Tally:
         if self.first_token_at is None:
             self.first_token_at = now
             self.prefill_replica = chunk.replica_id
+            self.cached_prompt_tokens = out.num_cached_tokens
             self._observe("pdserve_time_to_first_token_seconds", now - self.start)
         else:
             self.decode_replica = chunk.replica_id
@@ -261,7 +263,11 @@ class _Tally:
             out.token_ids,
             out.text,
             finish_reason=out.finish_reason,
-            usage=Usage(len(self.request.prompt_token_ids), self.completion_tokens),
+            usage=Usage(
+                len(self.request.prompt_token_ids),
+                self.completion_tokens,
+                cached_prompt_tokens=self.cached_prompt_tokens,
+            ),
             timing=Timing(
                 queue_seconds=self.queue,
                 prefill_seconds=self.prefill,
@@ -283,5 +289,6 @@ class _Tally:
             return
         self.metrics.observe("pdserve_e2e_request_latency_seconds", now - self.start)
         self.metrics.inc("pdserve_prompt_tokens_total", len(self.request.prompt_token_ids))
+        self.metrics.inc("pdserve_cached_prompt_tokens_total", self.cached_prompt_tokens)
         self.metrics.inc("pdserve_generation_tokens_total", self.completion_tokens)
         self.metrics.inc("pdserve_requests_finished_total", reason=reason)

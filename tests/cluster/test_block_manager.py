@@ -70,3 +70,61 @@ def test_exhaustion_raises_and_changes_nothing():
 @pytest.mark.parametrize(("tokens", "blocks"), [(0, 0), (1, 1), (4, 1), (5, 2), (16, 4), (17, 5)])
 def test_blocks_for(tokens, blocks):
     assert BlockManager(8, block_size=4).blocks_for(tokens) == blocks
+
+
+# -- prefix caching ----------------------------------------------------------------------------
+
+H = [bytes([i]) * 16 for i in range(8)]  # stand-in block hashes
+
+
+def test_registered_blocks_outlive_their_last_reference_until_reclaimed():
+    bm = BlockManager(4, block_size=4, enable_caching=True)
+    a = bm.allocate(2)
+    bm.register(a[0], H[0])
+    bm.register(a[1], H[1])
+    bm.free(a)
+    assert (bm.num_free, bm.num_used, bm.num_cached) == (4, 0, 2)
+    assert bm.lookup([H[0], H[1], H[2]]) == a  # the longest cached prefix, re-referenced
+    assert [bm.ref_count(i) for i in a] == [1, 1] and bm.num_used == 2
+    bm.free(a)
+    # Never-cached blocks go first, then cached ones, the tail block before the prefix.
+    fresh = bm.allocate(2)
+    assert not set(fresh) & set(a) and bm.num_cached == 2
+    assert bm.allocate(1) == [a[1]] and bm.num_cached == 1
+    assert bm.lookup([H[0], H[1]]) == [a[0]]
+    assert bm.lookup([H[1]]) == []  # a[1] was reclaimed and forgot its hash
+
+
+def test_lookup_shares_a_block_that_is_still_held():
+    bm = BlockManager(4, block_size=4, enable_caching=True)
+    (a,) = bm.allocate(1)
+    bm.register(a, H[0])
+    assert bm.lookup([H[0]]) == [a] and bm.ref_count(a) == 2
+    bm.free([a])
+    assert bm.num_used == 1
+    bm.free([a])
+    assert bm.num_used == 0 and bm.num_cached == 1
+
+
+def test_a_hash_keeps_its_first_block():
+    bm = BlockManager(4, block_size=4, enable_caching=True)
+    a, b = bm.allocate(2)
+    bm.register(a, H[0])
+    bm.register(b, H[0])  # the same content computed twice: b stays private
+    bm.register(a, H[1])  # a block holds one content
+    bm.free([a, b])
+    assert bm.num_cached == 1 and bm.lookup([H[0]]) == [a] and bm.lookup([H[1]]) == []
+
+
+def test_registering_a_free_block_raises():
+    bm = BlockManager(2, block_size=4, enable_caching=True)
+    with pytest.raises(ValueError, match="free"):
+        bm.register(0, H[0])
+
+
+def test_without_caching_nothing_is_kept():
+    bm = BlockManager(2, block_size=4)
+    a = bm.allocate(1)
+    bm.register(a[0], H[0])
+    bm.free(a)
+    assert bm.num_cached == 0 and bm.lookup([H[0]]) == []

@@ -188,6 +188,26 @@ def test_seeded_sampling_is_the_same_disaggregated_colocated_alone_and_batched(a
     wait_for_idle(apps, CO, {"colocated"})
 
 
+def test_a_repeated_prompt_reports_its_cached_prefix(apps):
+    """Prefix caching through the whole path: the prompt's full blocks (16 tokens each) are
+    reused by the replica that computed them, `usage.cached_prompt_tokens` says so, and the
+    tokens do not change. With 2 prefill replicas, of 3 calls at least two meet on one."""
+    import random
+
+    rng = random.Random(41)
+    ids = [rng.randrange(20, 200) for _ in range(40)]
+    for app, calls in ((CO, 2), (PD, 3)):
+        msgs = [
+            generate(apps, app, prompt_token_ids=ids, sampling=greedy_sampling(4))[0]
+            for _ in range(calls)
+        ]
+        cached = [m[-1].usage.cached_prompt_tokens for m in msgs]
+        assert cached[0] == 0 and max(cached[1:]) == 32 and set(cached) <= {0, 32}, (app, cached)
+        assert all(tokens(m) == tokens(msgs[0]) for m in msgs), app
+    wait_for_idle(apps, PD, {"prefill", "decode"})
+    wait_for_idle(apps, CO, {"colocated"})
+
+
 def replace_seed(s: pb.SamplingParams, seed: int) -> pb.SamplingParams:
     out = pb.SamplingParams()
     out.CopyFrom(s)

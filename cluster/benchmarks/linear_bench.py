@@ -36,6 +36,7 @@ def _resident_bytes() -> int:
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="small")
+    p.add_argument("--model-dir", default=None, help="checkpoint dir (default: the preset's)")
     p.add_argument("--rows", default=DEFAULT_ROWS)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> str:
     a = p.parse_args(argv)
     if a.threads > 0:
         torch.set_num_threads(a.threads)
-    path = ensure_model(a.preset, default_model_dir(a.preset))
+    path = a.model_dir or ensure_model(a.preset, default_model_dir(a.preset))
     before = _resident_bytes()
     model = load_model(ModelConfig(str(path), packed_weights=False)).model
     plain_bytes = _resident_bytes() - before

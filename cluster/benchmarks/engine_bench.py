@@ -505,11 +505,46 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(threads)
         hf_logging.set_verbosity(verbosity)
         cb_logger.setLevel(cb_level)
+    return publish(report, args.out)
+
+
+def publish(report: str, out: str | Path | None) -> str:
+    """Print a benchmark's Markdown report and, given `out`, write it there too."""
     print(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report, "utf-8")
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(report, "utf-8")
     return report
+
+
+def common_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options of the smaller benchmarks: the checkpoint, torch threads, the report file.
+    Their `main` runs `publish(with_threads(args.threads, ...), args.out)`."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--model-dir", default=None, help="checkpoint dir (default: the preset's)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    p.add_argument("--out", default=None, help="also write the Markdown report here")
+    return p
+
+
+def with_threads(threads: int, make_report: Callable[[], str]) -> str:
+    """`make_report()` with `threads` torch threads (0: as they are), restored afterwards."""
+    before = torch.get_num_threads()
+    try:
+        if threads > 0:
+            torch.set_num_threads(threads)
+        return make_report()
+    finally:
+        torch.set_num_threads(before)
+
+
+def machine_line() -> str:
+    """The report line naming the machine and the software that ran it."""
+    return (
+        f"- machine: {torch.get_num_threads()} torch threads, {cpu_model()}, "
+        f"{platform.platform()}, torch {torch.__version__}"
+    )
 
 
 def run(cfg: BenchConfig, argv: list[str]) -> str:

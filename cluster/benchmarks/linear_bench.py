@@ -11,7 +11,6 @@ run by run; prints the medians side by side and the packed copy's resident memor
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -20,7 +19,14 @@ from datetime import UTC, datetime
 import torch
 import torch.nn.functional as F
 
-from cluster.benchmarks.engine_bench import cpu_model, default_model_dir, ensure_model
+from cluster.benchmarks.engine_bench import (
+    common_parser,
+    default_model_dir,
+    ensure_model,
+    machine_line,
+    publish,
+    with_threads,
+)
 from cluster.config import ModelConfig
 from cluster.linear import PACKED_ROWS, Linear, pack_linears
 from cluster.model_loader import load_model
@@ -34,16 +40,14 @@ def _resident_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="small")
-    p.add_argument("--model-dir", default=None, help="checkpoint dir (default: the preset's)")
+    p = common_parser(__doc__)
     p.add_argument("--rows", default=DEFAULT_ROWS)
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
-    p.add_argument("--out", default=None, help="also write the Markdown report here")
     a = p.parse_args(argv)
-    if a.threads > 0:
-        torch.set_num_threads(a.threads)
+    return publish(with_threads(a.threads, lambda: measure(a, argv)), a.out)
+
+
+def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
     path = a.model_dir or ensure_model(a.preset, default_model_dir(a.preset))
     before = _resident_bytes()
     model = load_model(ModelConfig(str(path), packed_weights=False)).model
@@ -57,8 +61,7 @@ def main(argv: list[str] | None = None) -> str:
         "## Plain vs packed fp32 linear layers",
         "",
         f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}",
-        f"- machine: {torch.get_num_threads()} torch threads, {cpu_model()}, "
-        f"{platform.platform()}, torch {torch.__version__}",
+        machine_line(),
         f"- command: `python -m cluster.benchmarks.linear_bench {' '.join(argv or sys.argv[1:])}`",
         f"- model: `{a.preset}` preset, {len(layers)} linear layers; resident memory of the "
         f"loaded model {plain_bytes / 1e6:.0f} MB, of the packed copies "
@@ -92,12 +95,7 @@ def main(argv: list[str] | None = None) -> str:
             pl, pk = (statistics.median(times[n]) * 1e3 for n in ("plain", "packed"))
             lines.append(f"| {rows} | {pl:.1f} | {pk:.1f} | {pk / pl:.2f} |")
             print(lines[-1], file=sys.stderr, flush=True)
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(report)
-    return report
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -13,16 +13,20 @@ both engines produced the same tokens.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import sys
 import time
 from datetime import UTC, datetime
 
-import torch
-
-from cluster.benchmarks.engine_bench import cpu_model, default_model_dir, ensure_model
+from cluster.benchmarks.engine_bench import (
+    common_parser,
+    default_model_dir,
+    ensure_model,
+    machine_line,
+    publish,
+    with_threads,
+)
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine import Engine
 from cluster.request import Request
@@ -44,17 +48,15 @@ def run(engine: Engine, prompts: list[list[int]]) -> tuple[list[float], list[int
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="small")
-    p.add_argument("--model-dir", default=None, help="checkpoint dir (default: the preset's)")
+    p = common_parser(__doc__)
     p.add_argument("--prefix", type=int, default=512, help="shared prefix tokens")
     p.add_argument("--suffix", type=int, default=32, help="distinct tokens per request")
     p.add_argument("--requests", type=int, default=6)
-    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
-    p.add_argument("--out", default=None, help="also write the Markdown report here")
     a = p.parse_args(argv)
-    if a.threads > 0:
-        torch.set_num_threads(a.threads)
+    return publish(with_threads(a.threads, lambda: measure(a, argv)), a.out)
+
+
+def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
     path = a.model_dir or ensure_model(a.preset, default_model_dir(a.preset))
     rng = random.Random(0)
     shared = [rng.randrange(16, 1000) for _ in range(a.prefix)]
@@ -80,8 +82,7 @@ def main(argv: list[str] | None = None) -> str:
         "## Prefix caching: time to first token with a shared prefix",
         "",
         f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}",
-        f"- machine: {torch.get_num_threads()} torch threads, {cpu_model()}, "
-        f"{platform.platform()}, torch {torch.__version__}",
+        machine_line(),
         f"- command: `python -m cluster.benchmarks.prefix_bench {' '.join(argv or sys.argv[1:])}`",
         f"- model: `{a.preset}` preset, fp32 on the CPU; {a.requests} requests in turn, each "
         f"{a.prefix} shared + {a.suffix} own prompt tokens, 1 output token; block size 16",
@@ -96,12 +97,7 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"Same first tokens with and without caching: {'yes' if on[2] == off[2] else 'NO'}.",
     ]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(report)
-    return report
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from cluster.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from cluster.kv_cache import KVCache, KVExport, KVLayout
 from cluster.model_loader import LoadedModel, load_model
 from cluster.model_runner import ModelRunner
-from cluster.request import FinishReason, Request, RequestOutput, StepOutput
+from cluster.request import FinishReason, Request, RequestOutput, StepOutput, TokenLogprobs
 from cluster.scheduler import Scheduler
 from cluster.sequence import Sequence, SequenceStatus
 
@@ -140,13 +140,16 @@ class Engine:
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         if plan.scheduled:
-            tokens = self.runner.run(plan.scheduled)
+            tokens, logprobs = self.runner.run(plan.scheduled)
             self.scheduler.computed(plan.scheduled)
-            for s, token in zip([s for s in plan.scheduled if s.samples], tokens, strict=True):
-                outputs.append(self._append(s.seq, token))
+            sampling = [s for s in plan.scheduled if s.samples]
+            for s, token, lp in zip(sampling, tokens, logprobs, strict=True):
+                outputs.append(self._append(s.seq, token, lp))
         return outputs
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
+    def _append(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None
+    ) -> StepOutput:
         reason = seq.append_token(token, self.max_model_len)
         detok = self.detok.get(seq.request_id)
         if detok is not None and detok.add(token) and reason in (None, "prefilled"):
@@ -169,6 +172,7 @@ class Engine:
             num_output_tokens=seq.num_output_tokens,
             queue_seconds=queued,
             num_cached_tokens=cached,
+            logprobs=() if logprobs is None else (logprobs,),
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -10,6 +10,7 @@ from cluster.attention import AttentionMetadata, build_decode_group, build_prefi
 from cluster.decode_attention import select_decode_attention
 from cluster.kv_cache import KVCache
 from cluster.model import CausalLM
+from cluster.request import TokenLogprobs
 from cluster.sampler import Sampler
 from cluster.scheduler import ScheduledSeq
 
@@ -87,19 +88,21 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> list[int]:
-        """Compute KV for every scheduled token; return one sampled token per sampling seq."""
+    def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Compute KV for every scheduled token; return, per sampling seq, the sampled token
+        and (if its request asked) the token's logprobs."""
         batch = self.prepare(scheduled)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers(), batch.attention
         )
         if not batch.samplers:
-            return []
+            return [], []
         logits = self.model.logits(hidden[batch.sample_rows])  # [S, vocab]
         seqs = [s.seq for s in batch.samplers]
-        return self.sampler(
+        tokens = self.sampler(
             logits,
             [q.params for q in seqs],
             [q.seed for q in seqs],
             [q.num_output_tokens for q in seqs],
         )
+        return tokens, self.sampler.logprobs(logits, tokens, [q.params.logprobs for q in seqs])

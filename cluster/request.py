@@ -24,6 +24,14 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely tokens at its position."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """The tokens one request gained in one engine step. `text` is the new, stop-string-safe
     text; `finish_reason` is set on the request's last output only ("prefilled" means the KV is
@@ -37,6 +45,7 @@ class StepOutput:
     num_output_tokens: int = 0
     queue_seconds: float = 0.0  # on a sequence's first sampled output: arrival to first step
     num_cached_tokens: int = 0  # on the first sampled output: prompt tokens the cache supplied
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked
 
     @property
     def finished(self) -> bool:
@@ -53,9 +62,11 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def add(self, out: StepOutput) -> None:
         self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
         self.text += out.text
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from cluster.errors import InvalidArgument
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +24,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Report each output token's log-probability and the `logprobs` most likely alternatives
+    # (under the model's own distribution, before temperature, top-k or top-p). None: off.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -41,6 +46,10 @@ class SamplingParams:
             raise InvalidArgument(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop strings must be non-empty", param="stop")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("stop_token_ids must be >= 0", param="stop_token_ids")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.request import TokenLogprobs
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -37,3 +39,8 @@ class GenerationChunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     timing: Timing | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked
+
+    def scored(self) -> list[tuple[int, TokenLogprobs]]:
+        """(token id, its logprobs) pairs; empty when the request asked for no logprobs."""
+        return list(zip(self.token_ids, self.logprobs, strict=False))

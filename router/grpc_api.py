@@ -33,6 +33,7 @@ def request_from_proto(orch: Orchestrator, req: pb.GenerateRequest) -> Request:
         stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
     return orch.build_request(
         req.prompt or None, list(req.prompt_token_ids) or None, params, req.request_id or None
@@ -41,7 +42,16 @@ def request_from_proto(orch: Orchestrator, req: pb.GenerateRequest) -> Request:
 
 def chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(
-        request_id=chunk.request_id, token_ids=list(chunk.token_ids), text=chunk.text
+        request_id=chunk.request_id,
+        token_ids=list(chunk.token_ids),
+        text=chunk.text,
+        logprobs=[
+            pb.TokenLogprob(
+                logprob=lp.logprob,
+                top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            )
+            for lp in chunk.logprobs
+        ],
     )
     if chunk.finish_reason is not None:
         msg.finish_reason = _FINISH[chunk.finish_reason]

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from cluster.errors import NotFound, PdServeError, Unavailable
+from cluster.request import TokenLogprobs
 from router.generation_chunk import GenerationChunk
 from router.openai_protocol import (
     AssistantMessage,
@@ -43,7 +44,10 @@ from router.openai_protocol import (
     ChatCompletionChunkChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -51,6 +55,7 @@ from router.openai_protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    TopLogprob,
     UsageInfo,
 )
 
@@ -90,7 +95,9 @@ def openai_routes(get_orchestrator: Callable[[], Orchestrator]) -> APIRouter:
         params = orch.sampling_params(**body.sampling_fields(body.max_tokens))
         prompt, prompt_token_ids = body.prompt_input()
         request = orch.build_request(prompt, prompt_token_ids, params)
-        view = _CompletionView(f"cmpl-{request.request_id}", int(time.time()), model)
+        view = _CompletionView(
+            f"cmpl-{request.request_id}", int(time.time()), model, orch.token_text
+        )
         return await _answer(orch, request, view, body.stream, body.include_usage)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
@@ -100,7 +107,7 @@ def openai_routes(get_orchestrator: Callable[[], Orchestrator]) -> APIRouter:
         params = orch.sampling_params(**body.sampling_fields(body.token_limit))
         prompt_token_ids = orch.chat_prompt([m.for_template() for m in body.messages])
         request = orch.build_request(None, prompt_token_ids, params)
-        view = _ChatView(f"chatcmpl-{request.request_id}", int(time.time()), model)
+        view = _ChatView(f"chatcmpl-{request.request_id}", int(time.time()), model, orch.token_text)
         return await _answer(orch, request, view, body.stream, body.include_usage)
 
     return router
@@ -147,13 +154,14 @@ async def _answer(
         raise
     if stream:
         return _EventStream(_events(chunks, first, view, include_usage))
-    texts, last = [], first
+    texts, scored, last = [], [], first
     try:
         async for last in _relay(chunks, first):
             texts.append(last.text)
+            scored.extend(last.scored())
     finally:
         await _close(chunks)
-    return _json(view.response("".join(texts), last))
+    return _json(view.response("".join(texts), last, scored))
 
 
 async def _relay(
@@ -240,18 +248,23 @@ class _EventStream(StreamingResponse):
 # -- response shapes ---------------------------------------------------------------------------
 
 
+Scored = list[tuple[int, TokenLogprobs]]  # generated tokens with their logprobs
+
+
 class _CompletionView:
     """One completion request's `text_completion` objects."""
 
-    def __init__(self, id: str, created: int, model: str) -> None:
+    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
         self.id, self.created, self.model = id, created, model
+        self.token_text = token_text
+        self.offset = 0  # text_offset of the next token's logprobs entry
 
-    def response(self, text: str, last: GenerationChunk) -> CompletionResponse:
-        return self._object(text, last, usage=UsageInfo.of(last.usage))
+    def response(self, text: str, last: GenerationChunk, scored: Scored) -> CompletionResponse:
+        return self._object(text, last, self._logprobs(scored), usage=UsageInfo.of(last.usage))
 
     def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[CompletionResponse]:
-        if chunk.text or chunk.finish_reason is not None:
-            yield self._object(chunk.text, chunk)
+        if chunk.text or chunk.logprobs or chunk.finish_reason is not None:
+            yield self._object(chunk.text, chunk, self._logprobs(chunk.scored()))
 
     def usage_chunk(self, last: GenerationChunk) -> CompletionResponse:
         return CompletionResponse(
@@ -262,14 +275,34 @@ class _CompletionView:
             usage=UsageInfo.of(last.usage),
         )
 
+    def _logprobs(self, scored: Scored) -> CompletionLogprobs | None:
+        if not scored:
+            return None
+        tokens = [self.token_text(t) for t, _ in scored]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for _, lp in scored],
+            top_logprobs=[{self.token_text(t): v for t, v in lp.top} for _, lp in scored],
+            text_offset=offsets,
+        )
+
     def _object(
-        self, text: str, chunk: GenerationChunk, usage: UsageInfo | None = None
+        self,
+        text: str,
+        chunk: GenerationChunk,
+        logprobs: CompletionLogprobs | None,
+        usage: UsageInfo | None = None,
     ) -> CompletionResponse:
+        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=chunk.finish_reason)
         return CompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=chunk.finish_reason)],
+            choices=[choice],
             usage=usage,
             pdserve_timing=chunk.timing,
         )
@@ -278,17 +311,20 @@ class _CompletionView:
 class _ChatView:
     """One chat request's `chat.completion` and `chat.completion.chunk` objects."""
 
-    def __init__(self, id: str, created: int, model: str) -> None:
+    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
         self.id, self.created, self.model = id, created, model
+        self.token_text = token_text
 
-    def response(self, text: str, last: GenerationChunk) -> ChatCompletionResponse:
+    def response(self, text: str, last: GenerationChunk, scored: Scored) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
             choices=[
                 ChatCompletionChoice(
-                    message=AssistantMessage(content=text), finish_reason=last.finish_reason
+                    message=AssistantMessage(content=text),
+                    logprobs=self._logprobs(scored),
+                    finish_reason=last.finish_reason,
                 )
             ],
             usage=UsageInfo.of(last.usage),
@@ -297,13 +333,18 @@ class _ChatView:
 
     def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[ChatCompletionChunk]:
         # The first chunk names the role (with whatever content it has); later ones carry text.
-        if is_first or chunk.text or chunk.finish_reason is not None:
+        if is_first or chunk.text or chunk.logprobs or chunk.finish_reason is not None:
             delta = DeltaMessage(role="assistant" if is_first else None, content=chunk.text)
+            choice = ChatCompletionChunkChoice(
+                delta=delta,
+                logprobs=self._logprobs(chunk.scored()),
+                finish_reason=chunk.finish_reason,
+            )
             yield ChatCompletionChunk(
                 id=self.id,
                 created=self.created,
                 model=self.model,
-                choices=[ChatCompletionChunkChoice(delta=delta, finish_reason=chunk.finish_reason)],
+                choices=[choice],
                 pdserve_timing=chunk.timing,
             )
 
@@ -315,6 +356,23 @@ class _ChatView:
             choices=[],
             usage=UsageInfo.of(last.usage),
         )
+
+    def _logprobs(self, scored: Scored) -> ChatLogprobs | None:
+        if not scored:
+            return None
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    **self._top(token, lp.logprob).model_dump(),
+                    top_logprobs=[self._top(t, v) for t, v in lp.top],
+                )
+                for token, lp in scored
+            ]
+        )
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        text = self.token_text(token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
 
 def _json(

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP payloads: request bodies in, response objects and stream chunks out.
 
 Requests ignore fields they do not know (the official client sends some); fields pdserve knows
-but cannot honour (`n > 1`, batched prompts, `logprobs`, `echo`) are refused with a 400 that
+but cannot honour (`n > 1`, batched prompts, `echo`) are refused with a 400 that
 names them, never silently dropped. Responses follow OpenAI's shapes; the extra
 `pdserve_timing` object on the last response or chunk carries the phase timings.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.generation_chunk import Timing, Usage
 
@@ -63,6 +63,11 @@ class _SamplingBody(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token the request wants (None: no logprobs at all)."""
+        return None
+
     def sampling_fields(self, max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments for `Orchestrator.sampling_params` (None = server default)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -76,6 +81,7 @@ class _SamplingBody(_Body):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs_count,
         )
 
 
@@ -100,12 +106,9 @@ class CompletionRequest(_SamplingBody):
             return prompt[0]
         return prompt
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise ValueError("logprobs are not supported")
-        return logprobs
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("echo")
     @classmethod
@@ -155,13 +158,17 @@ class ChatCompletionRequest(_SamplingBody):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            raise ValueError("logprobs are not supported")
-        return logprobs
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -190,10 +197,33 @@ class UsageInfo(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -217,7 +247,7 @@ class AssistantMessage(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -239,7 +269,7 @@ class DeltaMessage(BaseModel):
 class ChatCompletionChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

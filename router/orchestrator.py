@@ -65,6 +65,12 @@ class Orchestrator:
         """Names a request may use for the served model: the checkpoint's name or its id."""
         return (Path(self.config.model.path).name, self.info.model_id)
 
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, for logprobs (`token_id:N` for a checkpoint without tokenizer)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
     # -- hop 1: validate -------------------------------------------------------------------
 
     def sampling_params(self, max_tokens: int | None = None, **fields) -> SamplingParams:
@@ -256,13 +262,16 @@ class _Tally:
         self.transfer += chunk.kv_transfer_seconds
         self.completion_tokens += len(out.token_ids)
         if out.finish_reason is None:
-            return GenerationChunk(self.request.request_id, out.token_ids, out.text)
+            return GenerationChunk(
+                self.request.request_id, out.token_ids, out.text, logprobs=out.logprobs
+            )
         self._finished(out.finish_reason, now)
         return GenerationChunk(
             self.request.request_id,
             out.token_ids,
             out.text,
             finish_reason=out.finish_reason,
+            logprobs=out.logprobs,
             usage=Usage(
                 len(self.request.prompt_token_ids),
                 self.completion_tokens,

@@ -208,6 +208,39 @@ def test_a_repeated_prompt_reports_its_cached_prefix(apps):
     wait_for_idle(apps, CO, {"colocated"})
 
 
+def test_logprobs_over_grpc_and_openai_match_transformers(apps, tokenizer_model_dir, hf):
+    """Disaggregated: the prefill worker scores the first token, the decode worker the rest;
+    every logprob is log_softmax of transformers' logits, over gRPC and over the OpenAI API."""
+    import torch
+
+    ids = list(range(30, 52))
+    n, k = 6, 3
+    sampling = greedy_sampling(n)
+    sampling.logprobs = k
+    msgs, _ = generate(apps, PD, prompt_token_ids=ids, sampling=sampling)
+    oracle = hf.run(tokenizer_model_dir, ids, n)
+    assert tokens(msgs) == oracle.tokens
+    scored = [lp for m in msgs for lp in m.logprobs]
+    assert len(scored) == n
+    for lp, token, logits in zip(scored, oracle.tokens, oracle.logits, strict=True):
+        want = torch.log_softmax(logits, dim=-1)
+        assert lp.logprob == pytest.approx(float(want[token]), abs=1e-4)
+        assert [t.token_id for t in lp.top_logprobs] == torch.topk(want, k).indices.tolist()
+    client = openai.OpenAI(base_url=f"{apps.http_base}/pd/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=ids,
+        max_tokens=n,
+        temperature=0,
+        logprobs=k,
+        extra_body={"ignore_eos": True},
+    )
+    got = out.choices[0].logprobs
+    assert got.token_logprobs == pytest.approx([lp.logprob for lp in scored], abs=1e-6)
+    assert [len(t) for t in got.top_logprobs] == [k] * n
+    wait_for_idle(apps, PD, {"prefill", "decode"})
+
+
 def replace_seed(s: pb.SamplingParams, seed: int) -> pb.SamplingParams:
     out = pb.SamplingParams()
     out.CopyFrom(s)

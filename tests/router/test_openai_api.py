@@ -26,7 +26,7 @@ from cluster.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from cluster.request import Request
+from cluster.request import Request, TokenLogprobs
 from cluster.sampling_params import SamplingParams
 from router.generation_chunk import GenerationChunk, Timing, Usage
 from router.openai_api import install_error_handlers, openai_routes
@@ -55,6 +55,9 @@ class FakeOrchestrator:
 
     def model_names(self) -> tuple[str, str]:
         return (MODEL, MODEL_ID)
+
+    def token_text(self, token_id: int) -> str:
+        return f" t{token_id}"
 
     def sampling_params(self, max_tokens: int | None = None, **fields) -> SamplingParams:
         fields = {k: v for k, v in fields.items() if v is not None}
@@ -97,9 +100,12 @@ class FakeOrchestrator:
                     yield self._last(request, i, "", "stop")
                     return
                 if i == params.max_tokens - 1:
-                    yield self._last(request, i + 1, text, self.last_reason or "length")
+                    last = self._last(request, i + 1, text, self.last_reason or "length")
+                    yield replace(last, logprobs=fake_logprobs(params, i + 1))
                     return
-                yield GenerationChunk(request.request_id, (i,), text)
+                yield GenerationChunk(
+                    request.request_id, (i,), text, logprobs=fake_logprobs(params, i)
+                )
         finally:
             await asyncio.sleep(0)  # as the real one awaits its KV release: must not be cancelled
             self.closed += 1
@@ -107,6 +113,14 @@ class FakeOrchestrator:
     def _last(self, request: Request, n: int, text: str, reason: str) -> GenerationChunk:
         usage = Usage(len(request.prompt_token_ids), n, cached_prompt_tokens=1)
         return GenerationChunk(request.request_id, (n,), text, reason, usage, TIMING)
+
+
+def fake_logprobs(params: SamplingParams, token: int) -> tuple[TokenLogprobs, ...]:
+    """Token i: logprob -i/10, alternatives i+j at -(1+j) for j < params.logprobs."""
+    if params.logprobs is None:
+        return ()
+    top = tuple((token + j, -1.0 - j) for j in range(params.logprobs))
+    return (TokenLogprobs(-token / 10, top),)
 
 
 @pytest.fixture
@@ -249,6 +263,29 @@ def test_completion_stream_with_usage_by_the_client(oai: openai.OpenAI) -> None:
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (2, 3)
 
 
+def test_completion_logprobs(oai: openai.OpenAI, fake: FakeOrchestrator) -> None:
+    out = oai.completions.create(model=MODEL, prompt="hi", max_tokens=3, logprobs=2)
+    assert fake.requests[-1].params.logprobs == 2
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [" t0", " t1", " t3"]  # the double's last token id is 3
+    assert lp.token_logprobs == pytest.approx([0.0, -0.1, -0.3])
+    assert lp.top_logprobs == [
+        {" t0": -1.0, " t1": -2.0},
+        {" t1": -1.0, " t2": -2.0},
+        {" t3": -1.0, " t4": -2.0},
+    ]
+    assert lp.text_offset == [0, 3, 6]
+
+
+def test_completion_stream_logprobs_continue_their_offsets(client: TestClient) -> None:
+    body = {**COMPLETION, "max_tokens": 3, "logprobs": 0, "stream": True}
+    events = sse_payloads(client.post("/v1/completions", json=body).text)[:-1]
+    lps = [e["choices"][0]["logprobs"] for e in events]
+    assert [lp["tokens"] for lp in lps] == [[" t0"], [" t1"], [" t3"]]
+    assert [lp["text_offset"] for lp in lps] == [[0], [3], [6]]
+    assert all(lp["top_logprobs"] == [{}] for lp in lps)
+
+
 # -- chat --------------------------------------------------------------------------------------
 
 
@@ -315,6 +352,46 @@ def test_chat_stream_single_chunk(client: TestClient) -> None:
     assert done == "[DONE]"
 
 
+def test_chat_logprobs(oai: openai.OpenAI, fake: FakeOrchestrator) -> None:
+    out = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=1,
+    )
+    assert fake.requests[-1].params.logprobs == 1
+    content = out.choices[0].logprobs.content
+    assert [(c.token, c.logprob) for c in content] == [(" t0", 0.0), (" t2", -0.2)]
+    assert content[0].bytes == list(b" t0")
+    assert [[(t.token, t.logprob) for t in c.top_logprobs] for c in content] == [
+        [(" t0", -1.0)],
+        [(" t2", -1.0)],
+    ]
+
+
+def test_chat_without_logprobs_has_none(oai: openai.OpenAI, fake: FakeOrchestrator) -> None:
+    out = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=False
+    )
+    assert fake.requests[-1].params.logprobs is None
+    assert out.choices[0].logprobs is None
+
+
+def test_chat_stream_logprobs_by_the_client(oai: openai.OpenAI) -> None:
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        logprobs=True,
+    )
+    chunks = list(stream)
+    tokens = [[c.token for c in k.choices[0].logprobs.content] for k in chunks]
+    assert tokens == [[" t0"], [" t1"], [" t3"]]
+    assert all(not c.top_logprobs for k in chunks for c in k.choices[0].logprobs.content)
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
@@ -337,7 +414,14 @@ def assert_error(r, status: int, type_: str, param: str | None = None, code=None
         ("/v1/completions", {**COMPLETION, "n": 2}, "n", "n=1"),
         ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt", "batched"),
         ("/v1/completions", {**COMPLETION, "prompt": [[1], [2]]}, "prompt", "batched"),
-        ("/v1/completions", {**COMPLETION, "logprobs": 1}, "logprobs", "logprobs"),
+        ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs", "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, "logprobs: true"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "logprobs": True, "top_logprobs": 30},
+            "logprobs",
+            "logprobs",
+        ),
         ("/v1/completions", {**COMPLETION, "echo": True}, "echo", "echo"),
         ("/v1/completions", {"max_tokens": 2}, "prompt", "required"),
         ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, "max_tokens", "integer"),

@@ -33,6 +33,7 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_held: int  # blocks pinned for export (prefill role)
+    kv_blocks_cached: int  # blocks registered in the prefix cache, in use or reclaimable
     running: int
     waiting: int
     held: int
@@ -234,6 +235,7 @@ class Engine:
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_held=sum(len(s.block_table) for s in held),
+            kv_blocks_cached=self.blocks.num_cached,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             held=len(held),

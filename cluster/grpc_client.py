@@ -98,7 +98,17 @@ def print_status(target: str, application: str | None = None) -> int:
         ],
     )
     print()
-    header = ("pool", "replica", "kv total", "kv used", "kv leased", "running", "waiting", "queued")
+    header = (
+        "pool",
+        "replica",
+        "kv total",
+        "kv used",
+        "kv leased",
+        "kv cached",
+        "running",
+        "waiting",
+        "queued",
+    )
     rows = [
         (
             r.pool,
@@ -106,6 +116,7 @@ def print_status(target: str, application: str | None = None) -> int:
             r.kv_blocks_total,
             r.kv_blocks_used,
             r.kv_blocks_leased,
+            r.kv_blocks_cached,
             r.running,
             r.waiting,
             r.queued_prompt_tokens,

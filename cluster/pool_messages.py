@@ -49,4 +49,5 @@ class ReplicaStats:
     running: int
     waiting: int
     queued_prompt_tokens: int
+    kv_blocks_cached: int = 0
     updated_at: float = 0.0

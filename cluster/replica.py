@@ -62,6 +62,7 @@ class EngineReplica:
             kv_blocks_total=s.kv_blocks_total,
             kv_blocks_used=s.kv_blocks_used,
             kv_blocks_leased=s.kv_blocks_held,
+            kv_blocks_cached=s.kv_blocks_cached,
             running=s.running,
             waiting=s.waiting,
             queued_prompt_tokens=s.queued_prompt_tokens,

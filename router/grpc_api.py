@@ -119,6 +119,7 @@ def stats_to_proto(stats: list[ReplicaStats], pools: list[PoolStatus]) -> pb.Clu
                 running=s.running,
                 waiting=s.waiting,
                 queued_prompt_tokens=s.queued_prompt_tokens,
+                kv_blocks_cached=s.kv_blocks_cached,
             )
             for s in stats
         ],

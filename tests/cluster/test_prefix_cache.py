@@ -35,6 +35,9 @@ def test_a_shared_prefix_is_computed_once(model_dir, make_engine, hf):
     # The 14 shared tokens fill 3 blocks of 4; b computes from token 12 on.
     assert (out_a.num_cached_tokens, out_b.num_cached_tokens) == (0, 12)
     assert prefill_starts(plans, "a") == [0] and prefill_starts(plans, "b") == [12]
+    # a computed 17 + 5 tokens (5 full blocks), b 19 + 5 (6 full blocks, 3 of them a's).
+    stats = engine.stats()
+    assert (stats.kv_blocks_cached, stats.kv_blocks_used) == (8, 0)
     hf.assert_greedy(path, a.prompt_token_ids, out_a.token_ids, 6)
     hf.assert_greedy(path, b.prompt_token_ids, out_b.token_ids, 6)
 
@@ -127,4 +130,4 @@ def test_caching_off_recomputes_everything(model_dir, make_engine):
     for rid in ("a", "b"):
         engine.add_request(Request(rid, ids, greedy(3)))
         assert drive(engine)[rid].num_cached_tokens == 0
-    assert prefill_starts(plans, "b") == [0] and engine.blocks.num_cached == 0
+    assert prefill_starts(plans, "b") == [0] and engine.stats().kv_blocks_cached == 0

@@ -42,6 +42,9 @@ def scaling_app(ray_serve, tokenizer_model_dir):
     fast = dict(upscale_delay_s=1.0, downscale_delay_s=5.0, look_back_period_s=2.0)
     prefill = replace(
         base.prefill,
+        # The load repeats a few prompts; with prefix caching their prefill would be nearly
+        # free and never queue. Off here, so repeated prompts cost what distinct ones would.
+        cache=replace(base.prefill.cache, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=128),
         autoscaling=AutoscalingSettings(
             min_replicas=1, max_replicas=2, targets=(("queued_prompt_tokens", 1024.0),), **fast

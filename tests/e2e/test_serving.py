@@ -205,7 +205,9 @@ def test_a_repeated_prompt_reports_its_cached_prefix(apps):
         assert cached[0] == 0 and max(cached[1:]) == 32 and set(cached) <= {0, 32}, (app, cached)
         assert all(tokens(m) == tokens(msgs[0]) for m in msgs), app
     wait_for_idle(apps, PD, {"prefill", "decode"})
-    wait_for_idle(apps, CO, {"colocated"})
+    # GetStats shows the colocated replica's cache: at least this prompt's 2 full blocks, free.
+    (replica,) = wait_for_idle(apps, CO, {"colocated"})
+    assert replica.kv_blocks_cached >= 2 and replica.kv_blocks_used == 0
 
 
 def test_logprobs_over_grpc_and_openai_match_transformers(apps, tokenizer_model_dir, hf):

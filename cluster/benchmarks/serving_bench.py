@@ -466,10 +466,14 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
             loop.close()
 
         for n_tok in cfg.long_prompts:
-            prompt = make_prompt(cfg, engine, n_tok, salt=7 * n_tok)
-            served_generate(stub, APP, prompt, TTFT_TOKENS)  # warm-up at this length
+            # A new prompt every run: a repeated one would be served from the prefix cache.
+            prompts = [
+                make_prompt(cfg, engine, n_tok, salt=7 * n_tok + 1000 * r)
+                for r in range(cfg.repeats + 1)
+            ]
+            served_generate(stub, APP, prompts[0], TTFT_TOKENS)  # warm-up at this length
             res.ttft[n_tok] = []
-            for _ in range(cfg.repeats):
+            for prompt in prompts[1:]:
                 s = served_generate(stub, APP, prompt, TTFT_TOKENS)
                 t = s.last.timing
                 res.ttft[n_tok].append(
@@ -602,7 +606,8 @@ def render(res: Results, argv: list[str]) -> str:
         "into the decode pool. The transfer starts after the first token was streamed, so it is "
         "not inside TTFT; the conservative share divides by TTFT + transfer. Client TTFT is "
         "from the call to the first message; the 1st→2nd token gap is what the client sees of "
-        "the transfer (plus the decode hop and one decode step).",
+        "the transfer (plus the decode hop and one decode step). Every run sends a prompt of "
+        "its own, so none is served from the prefix cache.",
         "",
         "| prompt tokens | client TTFT (ms) | server TTFT (ms) | prefill (ms) | KV transfer (ms) "
         "| 1st→2nd token gap (ms) | KV transfer / TTFT | KV transfer / (TTFT + transfer) |",

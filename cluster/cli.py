@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument(
+        "--logprobs", type=int, default=None, help="with --json: each token's logprob and N top"
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default="float32")
@@ -101,6 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
         return generate_remote(args, _token_ids(args))
     from cluster.config import EngineConfig, ModelConfig
     from cluster.engine import Engine
+    from cluster.grpc_client import logprobs_json
     from cluster.make_model import default_model_dir
     from cluster.request import Request, RequestOutput
     from cluster.sampling_params import SamplingParams
@@ -120,6 +124,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
     )
     request = Request(uuid.uuid4().hex, tuple(ids), params)
     engine.add_request(request)
@@ -140,7 +145,13 @@ def _generate(args: argparse.Namespace) -> int:
                     "usage": {
                         "prompt_tokens": len(ids),
                         "completion_tokens": len(result.token_ids),
+                        "cached_prompt_tokens": result.num_cached_tokens,
                     },
+                    **logprobs_json(
+                        result.token_ids,
+                        [(lp.logprob, lp.top) for lp in result.logprobs],
+                        args.logprobs,
+                    ),
                 }
             )
         )

@@ -32,7 +32,7 @@ def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> in
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    for name in ("max_tokens", "temperature", "top_p", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
@@ -43,12 +43,17 @@ def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> in
         request.prompt = args.prompt
     ids: list[int] = []
     text = []
+    scored: list[tuple[float, list[tuple[int, float]]]] = []
     last = None
     try:
         stub = connect(args.target)
         for msg in stub.Generate(request, metadata=app_metadata(args.application)):
             ids.extend(msg.token_ids)
             text.append(msg.text)
+            scored.extend(
+                (lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+                for lp in msg.logprobs
+            )
             last = msg
             if not args.json:
                 print(msg.text, end="", flush=True)
@@ -65,12 +70,30 @@ def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> in
                     "finish_reason": _FINISH.get(last.finish_reason, ""),
                     "usage": MessageToDict(last.usage, preserving_proto_field_name=True),
                     "timing": MessageToDict(last.timing, preserving_proto_field_name=True),
+                    **logprobs_json(ids, scored, args.logprobs),
                 }
             )
         )
     else:
         print()
     return 0
+
+
+def logprobs_json(token_ids, scored, asked: int | None) -> dict:
+    """`generate --json`'s "logprobs" entry (absent unless --logprobs was given): per token,
+    its id, logprob and the most likely alternatives."""
+    if asked is None:
+        return {}
+    return {
+        "logprobs": [
+            {
+                "token_id": token,
+                "logprob": logprob,
+                "top_logprobs": [{"token_id": t, "logprob": v} for t, v in top],
+            }
+            for token, (logprob, top) in zip(token_ids, scored, strict=True)
+        ]
+    }
 
 
 def print_status(target: str, application: str | None = None) -> int:

@@ -19,6 +19,7 @@ from cluster.app_config import AppConfig, PoolConfig
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig, TransferConfig
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.replica import REPORT_INTERVAL_S
 
 
 def free_port() -> int:
@@ -107,9 +108,12 @@ def app_metadata(name: str) -> tuple[tuple[str, str], ...]:
 
 def wait_for_idle(ends: ServeEndpoints, app: str, pools: set[str], timeout: float = 20.0):
     """Poll GetStats until every replica of `pools` reports zero used and leased blocks.
-    Stats are pushed every second, so a leak shows up as a timeout, never as a pass."""
+    Replicas push their stats every REPORT_INTERVAL_S, so the first poll waits that long (and a
+    little more): an answer from before the caller's requests ended could otherwise pass. A
+    leak then shows up as a timeout, never as a pass."""
     s = stub(ends)
     deadline = time.monotonic() + timeout
+    time.sleep(REPORT_INTERVAL_S + 0.3)
     while True:
         stats = s.GetStats(pb.GetStatsRequest(), metadata=app_metadata(app))
         replicas = list(stats.replicas)

@@ -24,6 +24,15 @@ def test_make_model_then_generate_local_json(tmp_path, capsys):
     (want,) = engine.generate([Request("r", (9, 8, 7), params)])
     assert got["token_ids"] == want.token_ids and got["text"] == want.text
     assert got["finish_reason"] == "length" and got["usage"]["prompt_tokens"] == 3
+    assert "logprobs" not in got
+
+    assert (
+        main([*args, "--temperature", "0", "--prompt-token-ids", "9,8,7", "--logprobs", "2"]) == 0
+    )
+    scored = json.loads(capsys.readouterr().out)["logprobs"]
+    assert [s["token_id"] for s in scored] == want.token_ids
+    assert all(len(s["top_logprobs"]) == 2 for s in scored)
+    assert all(s["top_logprobs"][0]["token_id"] == s["token_id"] for s in scored)  # greedy
 
     assert main(["generate", "--local", "--model", str(out_dir), "--max-tokens", "4", "Hi"]) == 0
     assert capsys.readouterr().out.strip()

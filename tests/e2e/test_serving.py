@@ -347,10 +347,15 @@ def test_cli_generate_and_status_against_the_cluster(apps, capsys):
     msgs, _ = generate(apps, PD, prompt_token_ids=[5, 6, 7, 8], sampling=greedy_sampling(6))
     assert out["token_ids"] == tokens(msgs) and out["finish_reason"] == "length"
     assert out["usage"]["completion_tokens"] == 6 and out["timing"]["prefill_replica"]
+    assert main(["generate", *target, "--json", "--max-tokens", "3", "--temperature", "0",
+                 "--ignore-eos", "--prompt-token-ids", ids, "--logprobs", "2"]) == 0  # fmt: skip
+    scored = json.loads(capsys.readouterr().out)["logprobs"]
+    assert [s["token_id"] for s in scored] == tokens(msgs)[:3]
+    assert all(s["top_logprobs"][0]["token_id"] == s["token_id"] for s in scored)
     wait_for_idle(apps, PD, {"prefill", "decode"})
     assert main(["status", *target]) == 0
     table = capsys.readouterr().out
-    for word in ("prefill", "decode", "Prefill", "Decode", "kv used"):
+    for word in ("prefill", "decode", "Prefill", "Decode", "kv used", "kv cached"):
         assert word in table
     assert main(["generate", *target, "--prompt-token-ids", "999999"]) == 2
     assert "INVALID_ARGUMENT" in capsys.readouterr().err

@@ -3,8 +3,11 @@ tokens stay transformers' greedy tokens."""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.request import Request
 from tests.conftest import (
+    ARCHS,
     disaggregated,
     drive,
     greedy,
@@ -40,6 +43,23 @@ def test_a_shared_prefix_is_computed_once(model_dir, make_engine, hf):
     assert (stats.kv_blocks_cached, stats.kv_blocks_used) == (8, 0)
     hf.assert_greedy(path, a.prompt_token_ids, out_a.token_ids, 6)
     hf.assert_greedy(path, b.prompt_token_ids, out_b.token_ids, 6)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_cached_prefixes_match_transformers_on_every_architecture(arch, model_dir, make_engine, hf):
+    """Prompts sharing a 25-token prefix (longer than Mistral's 16-token window), run in turn
+    and then together with chunked prefill: each continues from the cached blocks and still
+    decodes transformers' greedy tokens."""
+    path = model_dir(arch)
+    engine = make_engine(path, block_size=BS, num_blocks=96, max_num_batched_tokens=8)
+    shared = prompt(25, seed=50)
+    first = Request("first", shared + prompt(2, seed=51), greedy(8))
+    later = [Request(f"r{i}", shared + prompt(3 + i, seed=52 + i), greedy(8)) for i in range(3)]
+    outs = run_to_completion(engine, [first])
+    outs |= run_to_completion(engine, later)
+    assert [outs[r.request_id].num_cached_tokens for r in later] == [24, 24, 24]
+    for r in [first, *later]:
+        hf.assert_greedy(path, r.prompt_token_ids, outs[r.request_id].token_ids, 8)
 
 
 def test_a_repeated_prompt_still_computes_its_last_token(model_dir, make_engine):

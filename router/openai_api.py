@@ -23,7 +23,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -35,29 +35,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from cluster.errors import NotFound, PdServeError, Unavailable
-from cluster.request import TokenLogprobs
 from router.generation_chunk import GenerationChunk
 from router.openai_protocol import (
-    AssistantMessage,
-    ChatCompletionChoice,
-    ChatCompletionChunk,
-    ChatCompletionChunkChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TopLogprob,
-    UsageInfo,
 )
+from router.openai_views import ChatView, CompletionView
 
 if TYPE_CHECKING:
     from cluster.request import Request as GenerationRequest
@@ -95,7 +84,7 @@ def openai_routes(get_orchestrator: Callable[[], Orchestrator]) -> APIRouter:
         params = orch.sampling_params(**body.sampling_fields(body.max_tokens))
         prompt, prompt_token_ids = body.prompt_input()
         request = orch.build_request(prompt, prompt_token_ids, params)
-        view = _CompletionView(
+        view = CompletionView(
             f"cmpl-{request.request_id}", int(time.time()), model, orch.token_text
         )
         return await _answer(orch, request, view, body.stream, body.include_usage)
@@ -107,7 +96,7 @@ def openai_routes(get_orchestrator: Callable[[], Orchestrator]) -> APIRouter:
         params = orch.sampling_params(**body.sampling_fields(body.token_limit))
         prompt_token_ids = orch.chat_prompt([m.for_template() for m in body.messages])
         request = orch.build_request(None, prompt_token_ids, params)
-        view = _ChatView(f"chatcmpl-{request.request_id}", int(time.time()), model, orch.token_text)
+        view = ChatView(f"chatcmpl-{request.request_id}", int(time.time()), model, orch.token_text)
         return await _answer(orch, request, view, body.stream, body.include_usage)
 
     return router
@@ -139,7 +128,7 @@ def _served_model(orch: Orchestrator, requested: str | None) -> str:
 async def _answer(
     orch: Orchestrator,
     request: GenerationRequest,
-    view: _CompletionView | _ChatView,
+    view: CompletionView | ChatView,
     stream: bool,
     include_usage: bool,
 ) -> Response:
@@ -199,7 +188,7 @@ async def _next(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
 async def _events(
     chunks: AsyncIterator[GenerationChunk],
     first: GenerationChunk,
-    view: _CompletionView | _ChatView,
+    view: CompletionView | ChatView,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """Server-sent events for a started generation, ending in `data: [DONE]`."""
@@ -243,136 +232,6 @@ class _EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.events.aclose()  # type: ignore[attr-defined]
-
-
-# -- response shapes ---------------------------------------------------------------------------
-
-
-Scored = list[tuple[int, TokenLogprobs]]  # generated tokens with their logprobs
-
-
-class _CompletionView:
-    """One completion request's `text_completion` objects."""
-
-    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
-        self.id, self.created, self.model = id, created, model
-        self.token_text = token_text
-        self.offset = 0  # text_offset of the next token's logprobs entry
-
-    def response(self, text: str, last: GenerationChunk, scored: Scored) -> CompletionResponse:
-        return self._object(text, last, self._logprobs(scored), usage=UsageInfo.of(last.usage))
-
-    def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[CompletionResponse]:
-        if chunk.text or chunk.logprobs or chunk.finish_reason is not None:
-            yield self._object(chunk.text, chunk, self._logprobs(chunk.scored()))
-
-    def usage_chunk(self, last: GenerationChunk) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[],
-            usage=UsageInfo.of(last.usage),
-        )
-
-    def _logprobs(self, scored: Scored) -> CompletionLogprobs | None:
-        if not scored:
-            return None
-        tokens = [self.token_text(t) for t, _ in scored]
-        offsets = []
-        for token in tokens:
-            offsets.append(self.offset)
-            self.offset += len(token)
-        return CompletionLogprobs(
-            tokens=tokens,
-            token_logprobs=[lp.logprob for _, lp in scored],
-            top_logprobs=[{self.token_text(t): v for t, v in lp.top} for _, lp in scored],
-            text_offset=offsets,
-        )
-
-    def _object(
-        self,
-        text: str,
-        chunk: GenerationChunk,
-        logprobs: CompletionLogprobs | None,
-        usage: UsageInfo | None = None,
-    ) -> CompletionResponse:
-        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=chunk.finish_reason)
-        return CompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[choice],
-            usage=usage,
-            pdserve_timing=chunk.timing,
-        )
-
-
-class _ChatView:
-    """One chat request's `chat.completion` and `chat.completion.chunk` objects."""
-
-    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
-        self.id, self.created, self.model = id, created, model
-        self.token_text = token_text
-
-    def response(self, text: str, last: GenerationChunk, scored: Scored) -> ChatCompletionResponse:
-        return ChatCompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[
-                ChatCompletionChoice(
-                    message=AssistantMessage(content=text),
-                    logprobs=self._logprobs(scored),
-                    finish_reason=last.finish_reason,
-                )
-            ],
-            usage=UsageInfo.of(last.usage),
-            pdserve_timing=last.timing,
-        )
-
-    def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[ChatCompletionChunk]:
-        # The first chunk names the role (with whatever content it has); later ones carry text.
-        if is_first or chunk.text or chunk.logprobs or chunk.finish_reason is not None:
-            delta = DeltaMessage(role="assistant" if is_first else None, content=chunk.text)
-            choice = ChatCompletionChunkChoice(
-                delta=delta,
-                logprobs=self._logprobs(chunk.scored()),
-                finish_reason=chunk.finish_reason,
-            )
-            yield ChatCompletionChunk(
-                id=self.id,
-                created=self.created,
-                model=self.model,
-                choices=[choice],
-                pdserve_timing=chunk.timing,
-            )
-
-    def usage_chunk(self, last: GenerationChunk) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[],
-            usage=UsageInfo.of(last.usage),
-        )
-
-    def _logprobs(self, scored: Scored) -> ChatLogprobs | None:
-        if not scored:
-            return None
-        return ChatLogprobs(
-            content=[
-                ChatTokenLogprob(
-                    **self._top(token, lp.logprob).model_dump(),
-                    top_logprobs=[self._top(t, v) for t, v in lp.top],
-                )
-                for token, lp in scored
-            ]
-        )
-
-    def _top(self, token: int, logprob: float) -> TopLogprob:
-        text = self.token_text(token)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
 
 def _json(

@@ -1,0 +1,150 @@
+"""The OpenAI response objects of one request: whole responses and stream chunks, built from
+the router's `GenerationChunk`s, with logprobs in the completions or the chat shape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from cluster.request import TokenLogprobs
+from router.generation_chunk import GenerationChunk
+from router.openai_protocol import (
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+
+Scored = list[tuple[int, TokenLogprobs]]  # generated tokens with their logprobs
+
+
+class CompletionView:
+    """One completion request's `text_completion` objects."""
+
+    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
+        self.id, self.created, self.model = id, created, model
+        self.token_text = token_text
+        self.offset = 0  # text_offset of the next token's logprobs entry
+
+    def response(self, text: str, last: GenerationChunk, scored: Scored) -> CompletionResponse:
+        return self._object(text, last, self._logprobs(scored), usage=UsageInfo.of(last.usage))
+
+    def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[CompletionResponse]:
+        if chunk.text or chunk.logprobs or chunk.finish_reason is not None:
+            yield self._object(chunk.text, chunk, self._logprobs(chunk.scored()))
+
+    def usage_chunk(self, last: GenerationChunk) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=UsageInfo.of(last.usage),
+        )
+
+    def _logprobs(self, scored: Scored) -> CompletionLogprobs | None:
+        if not scored:
+            return None
+        tokens = [self.token_text(t) for t, _ in scored]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for _, lp in scored],
+            top_logprobs=[{self.token_text(t): v for t, v in lp.top} for _, lp in scored],
+            text_offset=offsets,
+        )
+
+    def _object(
+        self,
+        text: str,
+        chunk: GenerationChunk,
+        logprobs: CompletionLogprobs | None,
+        usage: UsageInfo | None = None,
+    ) -> CompletionResponse:
+        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=chunk.finish_reason)
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=usage,
+            pdserve_timing=chunk.timing,
+        )
+
+
+class ChatView:
+    """One chat request's `chat.completion` and `chat.completion.chunk` objects."""
+
+    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
+        self.id, self.created, self.model = id, created, model
+        self.token_text = token_text
+
+    def response(self, text: str, last: GenerationChunk, scored: Scored) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                ChatCompletionChoice(
+                    message=AssistantMessage(content=text),
+                    logprobs=self._logprobs(scored),
+                    finish_reason=last.finish_reason,
+                )
+            ],
+            usage=UsageInfo.of(last.usage),
+            pdserve_timing=last.timing,
+        )
+
+    def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[ChatCompletionChunk]:
+        # The first chunk names the role (with whatever content it has); later ones carry text.
+        if is_first or chunk.text or chunk.logprobs or chunk.finish_reason is not None:
+            delta = DeltaMessage(role="assistant" if is_first else None, content=chunk.text)
+            choice = ChatCompletionChunkChoice(
+                delta=delta,
+                logprobs=self._logprobs(chunk.scored()),
+                finish_reason=chunk.finish_reason,
+            )
+            yield ChatCompletionChunk(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=[choice],
+                pdserve_timing=chunk.timing,
+            )
+
+    def usage_chunk(self, last: GenerationChunk) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=UsageInfo.of(last.usage),
+        )
+
+    def _logprobs(self, scored: Scored) -> ChatLogprobs | None:
+        if not scored:
+            return None
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    **self._top(token, lp.logprob).model_dump(),
+                    top_logprobs=[self._top(t, v) for t, v in lp.top],
+                )
+                for token, lp in scored
+            ]
+        )
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        text = self.token_text(token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))

@@ -26,12 +26,33 @@ from router.openai_protocol import (
 Scored = list[tuple[int, TokenLogprobs]]  # generated tokens with their logprobs
 
 
-class CompletionView:
-    """One completion request's `text_completion` objects."""
+class _View:
+    """What both views share: the request's id, creation time, model, and token texts."""
+
+    chunk_type: type[CompletionResponse] | type[ChatCompletionChunk]
 
     def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
         self.id, self.created, self.model = id, created, model
         self.token_text = token_text
+
+    def usage_chunk(self, last: GenerationChunk):
+        """The extra last stream chunk of `stream_options.include_usage`: usage, no choices."""
+        return self.chunk_type(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=UsageInfo.of(last.usage),
+        )
+
+
+class CompletionView(_View):
+    """One completion request's `text_completion` objects."""
+
+    chunk_type = CompletionResponse
+
+    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
+        super().__init__(id, created, model, token_text)
         self.offset = 0  # text_offset of the next token's logprobs entry
 
     def response(self, text: str, last: GenerationChunk, scored: Scored) -> CompletionResponse:
@@ -40,15 +61,6 @@ class CompletionView:
     def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[CompletionResponse]:
         if chunk.text or chunk.logprobs or chunk.finish_reason is not None:
             yield self._object(chunk.text, chunk, self._logprobs(chunk.scored()))
-
-    def usage_chunk(self, last: GenerationChunk) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[],
-            usage=UsageInfo.of(last.usage),
-        )
 
     def _logprobs(self, scored: Scored) -> CompletionLogprobs | None:
         if not scored:
@@ -83,12 +95,10 @@ class CompletionView:
         )
 
 
-class ChatView:
+class ChatView(_View):
     """One chat request's `chat.completion` and `chat.completion.chunk` objects."""
 
-    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
-        self.id, self.created, self.model = id, created, model
-        self.token_text = token_text
+    chunk_type = ChatCompletionChunk
 
     def response(self, text: str, last: GenerationChunk, scored: Scored) -> ChatCompletionResponse:
         return ChatCompletionResponse(
@@ -122,15 +132,6 @@ class ChatView:
                 choices=[choice],
                 pdserve_timing=chunk.timing,
             )
-
-    def usage_chunk(self, last: GenerationChunk) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[],
-            usage=UsageInfo.of(last.usage),
-        )
 
     def _logprobs(self, scored: Scored) -> ChatLogprobs | None:
         if not scored:

@@ -32,6 +32,10 @@ class PoolConfig:
     num_gpus: float = 0.0
     resources: tuple[tuple[str, float], ...] = ()
     torch_threads: int = 0
+    # Python's GIL switch interval in this pool's engine replicas. The engine thread shares the
+    # GIL with Serve's event loop; at Python's default (5 ms) each burst of the loop's work
+    # stalls the step for its whole length (cluster/benchmarks/interference_bench.py).
+    gil_switch_interval_s: float = 5e-5
     # Requests one replica works on at once; 0 = what it can really hold (its max_num_seqs).
     max_ongoing_requests: int = 0
     # Requests waiting for a replica beyond that; more are refused at once. 0 = 4x ongoing.
@@ -43,6 +47,8 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise InvalidArgument("replicas must be >= 1")
+        if not 0 < self.gil_switch_interval_s <= 1:
+            raise InvalidArgument("gil_switch_interval_s must be in (0, 1]")
         if self.num_cpus < 0 or self.num_gpus < 0 or self.torch_threads < 0:
             raise InvalidArgument("num_cpus, num_gpus and torch_threads must be >= 0")
         if self.max_ongoing_requests < 0 or self.max_queued_requests < 0:

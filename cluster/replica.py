@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import time
 import uuid
 
@@ -41,9 +42,10 @@ class EngineReplica:
 
     def _start(self, config: AppConfig, pool: str) -> None:
         self.pool = pool
-        threads = (config.prefill if pool == "prefill" else config.decode).torch_threads
-        if threads > 0:
-            torch.set_num_threads(threads)
+        pool_config = config.prefill if pool == "prefill" else config.decode
+        if pool_config.torch_threads > 0:
+            torch.set_num_threads(pool_config.torch_threads)
+        sys.setswitchinterval(pool_config.gil_switch_interval_s)
         self.config = config
         self.replica_id = replica_id()
         self.engine = AsyncEngine(Engine(config.engine_config(pool)))

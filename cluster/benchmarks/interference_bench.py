@@ -24,14 +24,7 @@ import time
 
 import torch
 
-from cluster.benchmarks.engine_bench import (
-    common_parser,
-    default_model_dir,
-    ensure_model,
-    machine_line,
-    publish,
-    with_threads,
-)
+from cluster.benchmarks import engine_bench as bench
 from cluster.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.engine import Engine
 from cluster.request import Request
@@ -66,18 +59,18 @@ def mean_step_ms(engine: Engine, tokens: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = common_parser(__doc__)
+    p = bench.common_parser(__doc__)
     p.add_argument("--busy-ms", type=float, default=3.4, help="Python work per period")
     p.add_argument("--period-ms", type=float, default=66.0, help="about one decode step")
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--rounds", type=int, default=4)
     p.set_defaults(threads=1)
     a = p.parse_args(argv)
-    return publish(with_threads(a.threads, lambda: measure(a, argv)), a.out)
+    return bench.publish(bench.with_threads(a.threads, lambda: measure(a, argv)), a.out)
 
 
 def measure(a, argv: list[str] | None) -> str:
-    path = a.model_dir or ensure_model(a.preset, default_model_dir(a.preset))
+    path = a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset))
     engine = Engine(EngineConfig(ModelConfig(str(path)), CacheConfig(num_blocks=64)))
     busy, rest = a.busy_ms / 1e3, (a.period_ms - a.busy_ms) / 1e3
     mean_step_ms(engine, a.tokens)  # warm-up
@@ -124,7 +117,7 @@ def measure(a, argv: list[str] | None) -> str:
     lines = [
         "## Decode step beside other Python work",
         "",
-        machine_line(),
+        bench.machine_line(),
         "- command: `python -m cluster.benchmarks.interference_bench "
         f"{' '.join(argv or sys.argv[1:])}`",
         f"- `{a.preset}` preset, fp32, batch 1, {a.tokens} greedy tokens, {torch.get_num_threads()}"

@@ -19,14 +19,7 @@ from datetime import UTC, datetime
 import torch
 import torch.nn.functional as F
 
-from cluster.benchmarks.engine_bench import (
-    common_parser,
-    default_model_dir,
-    ensure_model,
-    machine_line,
-    publish,
-    with_threads,
-)
+from cluster.benchmarks import engine_bench as bench
 from cluster.config import ModelConfig
 from cluster.linear import PACKED_ROWS, Linear, pack_linears
 from cluster.model_loader import load_model
@@ -40,15 +33,15 @@ def _resident_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = common_parser(__doc__)
+    p = bench.common_parser(__doc__)
     p.add_argument("--rows", default=DEFAULT_ROWS)
     p.add_argument("--repeats", type=int, default=9)
     a = p.parse_args(argv)
-    return publish(with_threads(a.threads, lambda: measure(a, argv)), a.out)
+    return bench.publish(bench.with_threads(a.threads, lambda: measure(a, argv)), a.out)
 
 
 def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
-    path = a.model_dir or ensure_model(a.preset, default_model_dir(a.preset))
+    path = a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset))
     before = _resident_bytes()
     model = load_model(ModelConfig(str(path), packed_weights=False)).model
     plain_bytes = _resident_bytes() - before
@@ -61,7 +54,7 @@ def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
         "## Plain vs packed fp32 linear layers",
         "",
         f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}",
-        machine_line(),
+        bench.machine_line(),
         f"- command: `python -m cluster.benchmarks.linear_bench {' '.join(argv or sys.argv[1:])}`",
         f"- model: `{a.preset}` preset, {len(layers)} linear layers; resident memory of the "
         f"loaded model {plain_bytes / 1e6:.0f} MB, of the packed copies "

@@ -19,14 +19,7 @@ import sys
 import time
 from datetime import UTC, datetime
 
-from cluster.benchmarks.engine_bench import (
-    common_parser,
-    default_model_dir,
-    ensure_model,
-    machine_line,
-    publish,
-    with_threads,
-)
+from cluster.benchmarks import engine_bench as bench
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine import Engine
 from cluster.request import Request
@@ -48,16 +41,16 @@ def run(engine: Engine, prompts: list[list[int]]) -> tuple[list[float], list[int
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = common_parser(__doc__)
+    p = bench.common_parser(__doc__)
     p.add_argument("--prefix", type=int, default=512, help="shared prefix tokens")
     p.add_argument("--suffix", type=int, default=32, help="distinct tokens per request")
     p.add_argument("--requests", type=int, default=6)
     a = p.parse_args(argv)
-    return publish(with_threads(a.threads, lambda: measure(a, argv)), a.out)
+    return bench.publish(bench.with_threads(a.threads, lambda: measure(a, argv)), a.out)
 
 
 def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
-    path = a.model_dir or ensure_model(a.preset, default_model_dir(a.preset))
+    path = a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset))
     rng = random.Random(0)
     shared = [rng.randrange(16, 1000) for _ in range(a.prefix)]
     prompts = [
@@ -82,7 +75,7 @@ def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
         "## Prefix caching: time to first token with a shared prefix",
         "",
         f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}",
-        machine_line(),
+        bench.machine_line(),
         f"- command: `python -m cluster.benchmarks.prefix_bench {' '.join(argv or sys.argv[1:])}`",
         f"- model: `{a.preset}` preset, fp32 on the CPU; {a.requests} requests in turn, each "
         f"{a.prefix} shared + {a.suffix} own prompt tokens, 1 output token; block size 16",

@@ -334,9 +334,13 @@ def test_chat_stream_by_the_client(oai: openai.OpenAI) -> None:
         max_tokens=3,
         stream=True,
         stream_options={"include_usage": True},
+        logprobs=True,
     )
     chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+    tokens = [[c.token for c in k.choices[0].logprobs.content] for k in chunks[:-1]]
+    assert tokens == [[" t0"], [" t1"], [" t3"]]  # each chunk scores its own token
+    assert all(not c.top_logprobs for k in chunks[:-1] for c in k.choices[0].logprobs.content)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
     assert "".join(c.choices[0].delta.content for c in chunks[:-1]) == " t0 t1 t2"
@@ -376,20 +380,6 @@ def test_chat_without_logprobs_has_none(oai: openai.OpenAI, fake: FakeOrchestrat
     )
     assert fake.requests[-1].params.logprobs is None
     assert out.choices[0].logprobs is None
-
-
-def test_chat_stream_logprobs_by_the_client(oai: openai.OpenAI) -> None:
-    stream = oai.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=3,
-        stream=True,
-        logprobs=True,
-    )
-    chunks = list(stream)
-    tokens = [[c.token for c in k.choices[0].logprobs.content] for k in chunks]
-    assert tokens == [[" t0"], [" t1"], [" t3"]]
-    assert all(not c.top_logprobs for k in chunks for c in k.choices[0].logprobs.content)
 
 
 # -- errors ------------------------------------------------------------------------------------

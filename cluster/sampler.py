@@ -52,16 +52,18 @@ class Sampler:
             return out
         index = torch.tensor(rows, device=logits.device)
         lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-        chosen = lp.gather(1, torch.tensor([[tokens[r]] for r in rows], device=lp.device))
+        picked = torch.tensor([tokens[r] for r in rows], device=lp.device)
+        chosen = lp.gather(1, picked[:, None]).squeeze(1).tolist()
+        top_ids: list[list[int]] = [[] for _ in rows]
+        top_vals: list[list[float]] = [[] for _ in rows]
         k = max(wanted[r] for r in rows)
-        top = lp.topk(k, dim=-1) if k > 0 else None
+        if k > 0:  # one device-to-host copy each, not one per row
+            top = lp.topk(k, dim=-1)
+            top_ids, top_vals = top.indices.tolist(), top.values.tolist()
         for i, r in enumerate(rows):
             n = wanted[r]
-            alts = ()
-            if top is not None and n > 0:
-                ids, vals = top.indices[i, :n].tolist(), top.values[i, :n].tolist()
-                alts = tuple(zip(ids, vals, strict=True))
-            out[r] = TokenLogprobs(float(chosen[i, 0]), alts)
+            alts = tuple(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
+            out[r] = TokenLogprobs(chosen[i], alts)
         return out
 
     def _sample_row(self, logits: torch.Tensor, p: SamplingParams, seed: int) -> int:

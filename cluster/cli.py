@@ -147,11 +147,7 @@ def _generate(args: argparse.Namespace) -> int:
                         "completion_tokens": len(result.token_ids),
                         "cached_prompt_tokens": result.num_cached_tokens,
                     },
-                    **logprobs_json(
-                        result.token_ids,
-                        [(lp.logprob, lp.top) for lp in result.logprobs],
-                        args.logprobs,
-                    ),
+                    **logprobs_json(result.token_ids, result.logprobs, args.logprobs),
                 }
             )
         )

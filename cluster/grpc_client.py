@@ -11,6 +11,7 @@ from google.protobuf.json_format import MessageToDict
 
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.request import TokenLogprobs
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 _FINISH[pb.FINISH_REASON_ABORT] = "abort"
@@ -43,7 +44,7 @@ def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> in
         request.prompt = args.prompt
     ids: list[int] = []
     text = []
-    scored: list[tuple[float, list[tuple[int, float]]]] = []
+    scored: list[TokenLogprobs] = []
     last = None
     try:
         stub = connect(args.target)
@@ -51,7 +52,7 @@ def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> in
             ids.extend(msg.token_ids)
             text.append(msg.text)
             scored.extend(
-                (lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+                TokenLogprobs(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
                 for lp in msg.logprobs
             )
             last = msg
@@ -79,7 +80,7 @@ def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> in
     return 0
 
 
-def logprobs_json(token_ids, scored, asked: int | None) -> dict:
+def logprobs_json(token_ids: list[int], logprobs: list[TokenLogprobs], asked: int | None) -> dict:
     """`generate --json`'s "logprobs" entry (absent unless --logprobs was given): per token,
     its id, logprob and the most likely alternatives."""
     if asked is None:
@@ -88,10 +89,10 @@ def logprobs_json(token_ids, scored, asked: int | None) -> dict:
         "logprobs": [
             {
                 "token_id": token,
-                "logprob": logprob,
-                "top_logprobs": [{"token_id": t, "logprob": v} for t, v in top],
+                "logprob": lp.logprob,
+                "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top],
             }
-            for token, (logprob, top) in zip(token_ids, scored, strict=True)
+            for token, lp in zip(token_ids, logprobs, strict=True)
         ]
     }
 

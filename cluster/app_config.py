@@ -20,6 +20,7 @@ from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from cluster.errors import InvalidArgument
 
 Mode = Literal["disaggregated", "colocated"]
+TokenStream = Literal["direct", "serve"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class AppConfig:
     request_timeout_seconds: float = 300.0
     # Retries of the prefill hop (and of the whole request when a lease expired) on UNAVAILABLE.
     max_retries: int = 2
+    # How workers' tokens reach the router: "direct" = from the engine thread over TCP to the
+    # router's token stream server; "serve" = yielded back through the Serve handle call.
+    token_stream: TokenStream = "direct"
     name: str = "pdserve"
 
     def __post_init__(self) -> None:
@@ -101,6 +105,10 @@ class AppConfig:
             raise InvalidArgument("default_max_tokens and request_timeout_seconds must be > 0")
         if self.max_retries < 0:
             raise InvalidArgument("max_retries must be >= 0")
+        if self.token_stream not in ("direct", "serve"):
+            raise InvalidArgument(
+                f"token_stream must be direct or serve, got {self.token_stream!r}"
+            )
         if self.transfer.transport == "nccl" and not self.model.device.startswith("cuda"):
             raise InvalidArgument("transport nccl moves KV between GPUs: it needs device cuda")
 

@@ -2,7 +2,9 @@
 
 The engine is single-threaded, so everything that touches it (adding requests, aborting,
 importing or exporting KV, reading stats) is sent to the engine thread as a command and runs
-between two steps. Step outputs are handed back to the event loop, one queue per request.
+between two steps. Step outputs are handed back to the event loop, one queue per request, or,
+for a request admitted with `stream_to`, handed to its sink on the engine thread itself (no
+event loop wake-up per step; see decode_worker/token_sender.py).
 """
 
 from __future__ import annotations
@@ -11,12 +13,29 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from cluster.engine import Engine
 from cluster.request import Request, StepOutput
 
 T = TypeVar("T")
+
+
+class Flushable(Protocol):
+    def flush(self) -> list[str]:
+        """Send what the step's sinks queued; return the request ids whose streams broke."""
+
+
+class StepSink(Protocol):
+    """Takes one request's outputs on the engine thread. `done` (an asyncio future of the
+    consuming loop) resolves once the last output was taken and fails if delivery broke."""
+
+    done: asyncio.Future
+
+    def put(self, out: StepOutput) -> Flushable: ...
+
+    def fail(self, exc: BaseException) -> None:
+        """Event loop thread: the request will get no more outputs."""
 
 
 class AsyncEngine:
@@ -26,6 +45,7 @@ class AsyncEngine:
             queue.SimpleQueue()
         )
         self._streams: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self._sinks: dict[str, StepSink] = {}  # engine thread only
         self._wake = threading.Event()
         self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -71,6 +91,32 @@ class AsyncEngine:
             request.request_id, lambda e: e.import_kv(request, kv, first_token)
         )
 
+    async def stream_to(
+        self, request_id: str, admit: Callable[[Engine], Any], sink: StepSink
+    ) -> None:
+        """Admit a request (`admit(engine)`, e.g. add or import it) whose outputs go to `sink`
+        on the engine thread; return once its last output was taken. Cancelling the caller, or
+        a broken sink, aborts the request and frees its blocks."""
+
+        def add(engine: Engine) -> None:
+            self._sinks[request_id] = sink
+            try:
+                admit(engine)
+            except BaseException:
+                del self._sinks[request_id]
+                raise
+
+        await self.call(add)
+        try:
+            await sink.done
+        except BaseException:
+            await asyncio.shield(self.call(lambda e: self._drop_sink(e, request_id)))
+            raise
+
+    def _drop_sink(self, engine: Engine, request_id: str) -> None:
+        if self._sinks.pop(request_id, None) is not None:
+            engine.abort(request_id)
+
     async def _stream(self, request_id: str, admit: Callable[[Engine], Any]):
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
@@ -112,6 +158,8 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self.step_count += 1
+            if outputs and self._sinks:
+                outputs = self._to_sinks(outputs)
             if outputs:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
@@ -128,6 +176,25 @@ class AsyncEngine:
             else:
                 self._loop.call_soon_threadsafe(_settle, fut, result, None)
 
+    def _to_sinks(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Engine thread: hand outputs with a sink to it, one flush per connection; return
+        the rest (for the event loop's queues)."""
+        rest: list[StepOutput] = []
+        touched: dict[int, Flushable] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                rest.append(out)
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            conn = sink.put(out)
+            touched[id(conn)] = conn
+        for conn in touched.values():
+            for request_id in conn.flush():
+                self._drop_sink(self.engine, request_id)
+        return rest
+
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             q = self._streams.get(out.request_id)
@@ -138,6 +205,9 @@ class AsyncEngine:
         ids = list(self.engine.seqs)
         for rid in ids:
             self.engine.abort(rid)
+        sinks, self._sinks = list(self._sinks.values()), {}
+        for sink in sinks:  # the abort outputs are lost with the step: fail the sinks directly
+            self._loop.call_soon_threadsafe(sink.fail, exc)
         self._loop.call_soon_threadsafe(self._fail_streams, exc)
 
     def _fail_streams(self, exc: BaseException) -> None:

@@ -75,7 +75,8 @@ class TransferConfig:
 
     `secret` keys the HMAC capability tokens; every worker of one cluster must share it (the app
     builder generates one when it is empty). `host` is the address the prefill worker's KV
-    server binds and advertises ("auto" = this node's Ray address); port 0 picks a free port."""
+    server, and the router's token stream server, bind and advertise ("auto" = this node's
+    Ray address); port 0 picks a free port (the token stream server always picks one)."""
 
     transport: TransportName = "grpc"
     host: str = "127.0.0.1"
@@ -101,6 +102,20 @@ class TransferConfig:
             raise InvalidArgument("max_chunk_bytes must be in [4 KiB, 64 MiB]")
         if not 0 <= self.port < 65536:
             raise InvalidArgument(f"port out of range: {self.port}")
+
+
+def resolve_host(host: str) -> str:
+    """The address to bind and advertise for `host`: "auto" is this node's Ray address."""
+    if host != "auto":
+        return host
+    import socket
+
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return socket.gethostbyname(socket.gethostname())
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@ joins the continuous batch and streams tokens.
 
 The pull is this side's job (the prefill side never learns where decoding happens), so Serve's
 own routing picks the replica in each pool. The lease is released as soon as the KV is copied
-into local memory, before the first decode step. A replica being removed lets its streams
-finish within the graceful shutdown timeout and ends the rest with finish reason "abort".
+into local memory, before the first decode step. Tokens go to the router over the direct token
+stream (`decode_to`, the default) or back through the Serve handle (`decode`, the app's
+`token_stream: serve`). A replica being removed lets its streams finish within the graceful
+shutdown timeout and ends the rest with finish reason "abort".
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from dataclasses import replace
 from cluster.app_config import AppConfig
 from cluster.direct_kv_client import make_kv_client
 from cluster.errors import PdServeError
-from cluster.pool_messages import DecodeRequest, WorkerChunk
+from cluster.kv_cache import KVExport
+from cluster.pool_messages import DecodeRequest, TokenRoute, WorkerChunk
 from cluster.replica import EngineReplica
+from cluster.request import Request, StepOutput
+from decode_worker.token_sender import TokenSender
 
 
 class DecodeWorker(EngineReplica):
@@ -26,32 +31,69 @@ class DecodeWorker(EngineReplica):
         self.kv_client = make_kv_client(
             config.transfer, self.engine.engine.device, max_blocks=config.decode.cache.num_blocks
         )
+        self.tokens = TokenSender()
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[WorkerChunk]:
         """Fetch, import, then yield one chunk per engine step until the request finishes.
         Errors before the first chunk (bad lease, layout mismatch, full pool) are raised."""
         started = time.monotonic()
+        request, kv = await self._fetch(req)
+        stream = await self.engine.import_and_generate(request, kv, req.first_token)
+        transfer_seconds = self._transferred(started, time.monotonic(), kv)
+        first = True
+        async for out in stream:
+            if first:
+                self._queued(time.monotonic() - started - transfer_seconds)
+            yield WorkerChunk(
+                out, self.replica_id, kv_transfer_seconds=transfer_seconds if first else 0.0
+            )
+            first = False
+
+    async def decode_to(self, req: DecodeRequest, route: TokenRoute) -> None:
+        """Fetch and import as `decode` does, then send every output to the router's token
+        server (`route`) from the engine thread; return once the last one was sent. Errors
+        before the first output are raised, as from `decode`."""
+        started = time.monotonic()
+        request, kv = await self._fetch(req)
+        marks: dict[str, float] = {}
+
+        def admit(engine) -> None:
+            engine.import_kv(request, kv, req.first_token)
+            marks["imported"] = time.monotonic()
+
+        def make(out: StepOutput, first: bool) -> WorkerChunk:
+            if not first:
+                return WorkerChunk(out, self.replica_id)
+            marks["first"] = time.monotonic()
+            return WorkerChunk(out, self.replica_id, marks["imported"] - started)
+
+        sink = await self.tokens.open(route, request.request_id, make)
+        try:
+            await self.engine.stream_to(request.request_id, admit, sink)
+        finally:
+            self.tokens.discard(sink)
+        self._transferred(started, marks["imported"], kv)
+        self._queued(marks["first"] - marks["imported"])
+
+    async def _fetch(self, req: DecodeRequest) -> tuple[Request, KVExport]:
         try:
             kv = await self.kv_client.fetch(req.handle, self.layout)
         except PdServeError as e:
             self.metrics.inc("pdserve_kv_transfer_failures_total", code=e.grpc_code)
             raise
         await self.kv_client.release(req.handle, "fetched")
-        request = replace(req.request, arrival_time=time.monotonic())
-        stream = await self.engine.import_and_generate(request, kv, req.first_token)
-        transfer_seconds = time.monotonic() - started
-        self.metrics.observe("pdserve_kv_transfer_time_seconds", transfer_seconds)
+        return replace(req.request, arrival_time=time.monotonic()), kv
+
+    def _transferred(self, started: float, imported: float, kv: KVExport) -> float:
+        seconds = imported - started
+        self.metrics.observe("pdserve_kv_transfer_time_seconds", seconds)
         self.metrics.inc("pdserve_kv_transfer_bytes_total", kv.k.nbytes + kv.v.nbytes)
-        first = True
-        async for out in stream:
-            if first:
-                queued = time.monotonic() - started - transfer_seconds
-                self.metrics.observe("pdserve_queue_time_seconds", queued)
-            yield WorkerChunk(
-                out, self.replica_id, kv_transfer_seconds=transfer_seconds if first else 0.0
-            )
-            first = False
+        return seconds
+
+    def _queued(self, seconds: float) -> None:
+        self.metrics.observe("pdserve_queue_time_seconds", seconds)
 
     async def __del__(self) -> None:
         await self._shutdown()
+        self.tokens.close()
         await self.kv_client.close()

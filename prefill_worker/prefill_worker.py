@@ -12,15 +12,13 @@ until every outstanding lease is fetched or has expired before its KV server sto
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import replace
-
-import ray
 
 from cluster.app import GRACEFUL_SHUTDOWN_S
 from cluster.app_config import AppConfig
 from cluster.capability import Capability
+from cluster.config import resolve_host
 from cluster.errors import Unavailable
 from cluster.kv_handle import KVHandle
 from cluster.pool_messages import PrefillResult
@@ -42,7 +40,7 @@ class PrefillWorker(EngineReplica):
             self.engine,
             self.leases,
             self.layout,
-            _bind_host(transfer.host),
+            resolve_host(transfer.host),
             transfer.port,
             transfer.max_chunk_bytes,
             transport=transfer.transport,
@@ -107,12 +105,3 @@ class PrefillWorker(EngineReplica):
         await self.server.stop(1.0)
         await self.leases.stop()
         await self._shutdown()
-
-
-def _bind_host(host: str) -> str:
-    if host != "auto":
-        return host
-    try:
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return socket.gethostbyname(socket.gethostname())

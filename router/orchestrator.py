@@ -4,7 +4,9 @@ Hop by hop:
   1. `build_request`: tokenize and validate; bad input is refused before any worker is touched.
   2. `_prefill`: the prefill pool computes the prompt and returns the first token and a KVHandle.
   3. the first token goes to the client at once (time to first token).
-  4. `_decode`: the decode pool pulls the KV named in the handle and streams the rest.
+  4. `_decode`: the decode pool pulls the KV named in the handle and streams the rest, over
+     the direct token stream to this router (`_direct`, router/token_stream.py) or, with
+     `token_stream: serve`, back through the Serve handle.
   5. the last chunk carries finish reason, usage and the phase timings.
 In colocated mode one pool does 2-4 in one engine.
 """
@@ -37,6 +39,7 @@ from cluster.sampling_params import SamplingParams
 from cluster.stats_registry import registry
 from router.generation_chunk import GenerationChunk, Timing, Usage
 from router.pool_status import PoolStatus, pool_statuses
+from router.token_stream import TokenStreamServer
 
 
 class Orchestrator:
@@ -48,8 +51,12 @@ class Orchestrator:
         decode,
         colocated,
         metrics: PoolMetrics | None = None,
+        tokens: TokenStreamServer | None = None,
     ) -> None:
+        """`tokens`: the started token stream server workers send outputs to; None streams
+        them back through the Serve handles instead."""
         self.config = config
+        self.tokens = tokens
         self.metrics = metrics
         self.info = info
         self.tokenizer = info.tokenizer
@@ -152,7 +159,10 @@ class Orchestrator:
             await steps.aclose()
 
     async def _colocated(self, request: Request) -> AsyncIterator[WorkerChunk]:
-        stream = self.colocated.options(stream=True).generate.remote(request)
+        if self.tokens is not None:
+            stream = self._direct(request.request_id, self.colocated.generate_to, request)
+        else:
+            stream = self.colocated.options(stream=True).generate.remote(request)
         async for chunk in stream:
             yield chunk
 
@@ -198,7 +208,10 @@ class Orchestrator:
 
     async def _decode(self, request: Request, result: PrefillResult) -> AsyncIterator[WorkerChunk]:
         decode_request = DecodeRequest(request, result.handle, result.first.token_ids[0])
-        stream = self.decode.options(stream=True).decode.remote(decode_request)
+        if self.tokens is not None:
+            stream = self._direct(request.request_id, self.decode.decode_to, decode_request)
+        else:
+            stream = self.decode.options(stream=True).decode.remote(decode_request)
         done = False
         try:
             while True:
@@ -211,6 +224,25 @@ class Orchestrator:
         finally:
             if not done:  # failed or abandoned: don't leave the lease to expire
                 await self.kv_client.release(result.handle, "aborted")
+
+    async def _direct(self, request_id: str, method, payload) -> AsyncIterator[WorkerChunk]:
+        """Call a worker's `*_to` method and yield the chunks it sends to this router's token
+        server, until the last one. Closing early cancels the call (the worker aborts)."""
+        sub = self.tokens.subscribe(request_id)
+        response = method.remote(payload, sub.route)
+        call = asyncio.ensure_future(_transient_as_unavailable(response))
+        sub.watch(call)
+        try:
+            while True:
+                chunk = await sub.next()
+                yield chunk
+                if chunk.output.finished:
+                    return
+        finally:
+            sub.close()
+            if not call.done():
+                response.cancel()
+                call.cancel()
 
     async def cluster_stats(self, app_name: str) -> tuple[list[ReplicaStats], list[PoolStatus]]:
         if self._registry is None:

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from cluster.app_config import AppConfig
+from cluster.config import resolve_host
 from cluster.errors import PdServeError
 from cluster.metrics import PoolMetrics
 from cluster.model_loader import describe_model
@@ -18,6 +19,7 @@ from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from router.grpc_api import chunk_to_proto, model_info_to_proto, request_from_proto, stats_to_proto
 from router.openai_api import install_error_handlers, openai_routes
 from router.orchestrator import Orchestrator
+from router.token_stream import TokenStreamServer
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,11 @@ class Router:
     async def __init__(self, config: AppConfig, prefill, decode, colocated) -> None:
         info = describe_model(config.model)
         metrics = PoolMetrics("router")
-        self.orch = Orchestrator(config, info, prefill, decode, colocated, metrics)
+        self.tokens = None
+        if config.token_stream == "direct":
+            self.tokens = TokenStreamServer(resolve_host(config.transfer.host))
+            await self.tokens.start()
+        self.orch = Orchestrator(config, info, prefill, decode, colocated, metrics, self.tokens)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="pdserve", version="1")
@@ -50,6 +56,10 @@ class Router:
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context) -> pb.ModelInfo:
         return model_info_to_proto(self.orch)
+
+    async def __del__(self) -> None:
+        if self.tokens is not None:
+            await self.tokens.stop()
 
     async def GetStats(self, request: pb.GetStatsRequest, grpc_context) -> pb.ClusterStats:
         try:

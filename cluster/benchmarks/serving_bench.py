@@ -9,9 +9,11 @@ On one checkpoint (`small` by default, `tiny` with `--quick`), fp32 on CPU (or `
    prompt: in this process (`Engine.step()` loop, same engine config, torch threads and CPU
    priority as the replicas) and through the deployed app over Serve's gRPC proxy
    (client-side, from the arrival times of the streamed messages), disaggregated and
-   colocated. Both count the steps after the second output token, so neither the prefill nor
-   the KV transfer is in the number. Runs are interleaved (in-process, disaggregated,
-   colocated, repeat) so a change in machine load hits all three alike; the added latency is
+   colocated, with the default direct token stream, and disaggregated once more with tokens
+   relayed back through the Serve handles (`token_stream: serve`, `--no-serve-relay` skips
+   it). All count the steps after the second output token, so neither the prefill nor
+   the KV transfer is in the number. Runs are interleaved (in-process, then each app, repeat)
+   so a change in machine load hits all alike; the added latency is
    the median of the paired differences. The CPU time each process spends per output token
    (read from /proc) shows where the serving path's time goes.
 2. KV transfer throughput on loopback: `GrpcKVClient.fetch` from this process of a prompt's KV
@@ -21,7 +23,7 @@ On one checkpoint (`small` by default, `tiny` with `--quick`), fp32 on CPU (or `
 
 Without `--grpc-port` it starts its own local Ray and Serve and shuts them down at the end;
 with it, it uses the Serve already running in this process's Ray (e.g. a test session's) and
-only deploys and deletes its own two apps.
+only deploys and deletes its own apps.
 """
 
 from __future__ import annotations
@@ -59,8 +61,13 @@ from cluster.sampling_params import SamplingParams
 
 ADDED_LATENCY_TARGET_S = 1e-3  # per output token, served vs in-process
 TRANSFER_SHARE_TARGET = 0.10  # KV transfer time / TTFT
-APP, APP_COLOCATED = "bench", "bench-co"
-MODES = {"disaggregated": APP, "colocated": APP_COLOCATED}
+APP, APP_COLOCATED, APP_SERVE_RELAY = "bench", "bench-co", "bench-sr"
+MODES = {"disaggregated": APP, "colocated": APP_COLOCATED, "serve-relay": APP_SERVE_RELAY}
+LABELS = {
+    "disaggregated": "disaggregated",
+    "colocated": "colocated",
+    "serve-relay": "disaggregated, tokens relayed through the Serve handles",
+}
 TTFT_TOKENS = 2  # the prefill's token, then one decode step after the KV transfer
 
 
@@ -80,6 +87,7 @@ class BenchConfig:
     chunk_tokens: int  # scheduler token budget per step: longer prompts are prefilled in chunks
     max_chunk_bytes: int  # KV transfer chunk size
     colocated: bool
+    serve_relay: bool  # also measure the app with token_stream "serve"
     worker_niceness: int  # RAY_worker_niceness of a Ray this script starts itself
     seed: int
     device: str = "cpu"
@@ -125,6 +133,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
     p.add_argument("--threads", type=int, default=1, help="torch threads, replicas and baseline")
     p.add_argument("--no-colocated", action="store_true", help="skip the colocated app")
     p.add_argument(
+        "--no-serve-relay",
+        action="store_true",
+        help="skip the disaggregated app that relays tokens through the Serve handles",
+    )
+    p.add_argument(
         "--worker-niceness",
         type=int,
         default=0,
@@ -161,6 +174,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
         chunk_tokens=chunk_tokens,
         max_chunk_bytes=TransferConfig().max_chunk_bytes,
         colocated=not a.no_colocated,
+        serve_relay=not a.no_serve_relay,
         worker_niceness=a.worker_niceness,
         seed=0,
         device=a.device,
@@ -398,13 +412,17 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
     began = time.perf_counter()
     old_threads = torch.get_num_threads()
     modes = ["disaggregated"] + (["colocated"] if cfg.colocated else [])
+    modes += ["serve-relay"] if cfg.serve_relay else []
+    apps = {
+        "disaggregated": app,
+        "colocated": replace(app, mode="colocated", name=APP_COLOCATED),
+        "serve-relay": replace(app, token_stream="serve", name=APP_SERVE_RELAY),
+    }
     baseline: ThreadPoolExecutor | None = None
     try:
         log(f"deploying {', '.join(MODES[m] for m in modes)} ({cfg.preset}: {cfg.model_dir})")
-        serve.run(build_app(app), name=APP, route_prefix=f"/{APP}")
-        if cfg.colocated:
-            co = replace(app, mode="colocated", name=APP_COLOCATED)
-            serve.run(build_app(co), name=APP_COLOCATED, route_prefix=f"/{APP_COLOCATED}")
+        for m in modes:
+            serve.run(build_app(apps[m]), name=MODES[m], route_prefix=f"/{MODES[m]}")
         procs = serving_processes()
         res.niceness = {k: v for k, pid in procs.items() if (v := niceness(pid)) is not None}
         if cfg.torch_threads:
@@ -495,7 +513,7 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
         if baseline is not None:
             baseline.shutdown()
         torch.set_num_threads(old_threads)
-        for name in (APP, APP_COLOCATED):
+        for name in MODES.values():
             try:
                 serve.delete(name)
             except Exception as e:  # never deployed, or Serve is going away
@@ -509,10 +527,6 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
 
 ROWS = (
     "decode per token, in-process Engine.step",
-    "decode per token, disaggregated via Serve + gRPC",
-    "added per token, disaggregated",
-    "decode per token, colocated via Serve + gRPC",
-    "added per token, colocated",
     "disaggregated (total - TTFT) / (N - 1), incl. KV transfer",
 )
 
@@ -544,7 +558,8 @@ def render(res: Results, argv: list[str]) -> str:
         f"- command: `python -m cluster.benchmarks.serving_bench {' '.join(argv)}`".rstrip(),
         f"- config: checkpoint `{cfg.model_dir.name}`, {cfg.dtype} on {cfg.device} "
         f"({device_name(cfg.device)}); 1 router + 1 prefill + "
-        f"1 decode replica (colocated app: 1 router + 1 colocated replica); "
+        f"1 decode replica (colocated app: 1 router + 1 colocated replica); tokens reach the "
+        f"router over the direct token stream (serve-relay app: through the Serve handles); "
         f"{cfg.replica_cpus} Ray CPUs and {cfg.torch_threads} torch thread(s) per engine replica; "
         f"the in-process baseline uses the same engine config and "
         f"{cfg.torch_threads} torch thread(s); KV pool {app.decode.cache.num_blocks} blocks x "
@@ -566,19 +581,19 @@ def render(res: Results, argv: list[str]) -> str:
     ]
     added: dict[str, float] = {}
     lines.append(f"| {ROWS[0]} | {_med(res.inproc_s) * 1e3:.2f} | {_spread(res.inproc_s)} |")
-    for mode, row, add_row in (
-        ("disaggregated", ROWS[1], ROWS[2]),
-        ("colocated", ROWS[3], ROWS[4]),
-    ):
-        xs = res.served_s.get(mode)
+    for mode, xs in res.served_s.items():
         if not xs:
             continue
         diffs = [s - i for s, i in zip(xs, res.inproc_s, strict=True)]
         added[mode] = _med(diffs)
-        lines.append(f"| {row} | {_med(xs) * 1e3:.2f} | {_spread(xs)} |")
-        lines.append(f"| {add_row} | {added[mode] * 1e3:+.2f} | {_spread(diffs)} |")
+        label = LABELS[mode]
+        lines.append(
+            f"| decode per token, {label}, via Serve + gRPC | {_med(xs) * 1e3:.2f} | "
+            f"{_spread(xs)} |"
+        )
+        lines.append(f"| added per token, {label} | {added[mode] * 1e3:+.2f} | {_spread(diffs)} |")
     lines.append(
-        f"| {ROWS[5]} | {_med(res.incl_transfer_s) * 1e3:.2f} | {_spread(res.incl_transfer_s)} |"
+        f"| {ROWS[1]} | {_med(res.incl_transfer_s) * 1e3:.2f} | {_spread(res.incl_transfer_s)} |"
     )
     lines += _cpu_table(res)
     lines += [
@@ -635,6 +650,8 @@ def render(res: Results, argv: list[str]) -> str:
         "|---|---|---|",
     ]
     for mode, value in added.items():
+        if mode == "serve-relay":  # a comparison, not the default configuration
+            continue
         lines.append(
             f"| added latency per output token, {mode} ≤ "
             f"{ADDED_LATENCY_TARGET_S * 1e3:.0f} ms | {value * 1e3:+.2f} ms | "

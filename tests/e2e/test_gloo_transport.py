@@ -1,6 +1,8 @@
 """End to end on a real local Ray with `transfer.transport="gloo"`: router -> prefill pool ->
 KV over a two-rank gloo group (negotiated over the gRPC control channel) -> decode pool.
-transformers' greedy decoding on the same checkpoint is the oracle."""
+transformers' greedy decoding on the same checkpoint is the oracle. This app also relays tokens
+back through the Serve handles (`token_stream="serve"`), so that relay has its end-to-end test
+too (the other apps use the default direct token stream)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,11 @@ def gloo_app(ray_serve, tokenizer_model_dir):
 
     base = small_app_config(str(tokenizer_model_dir))
     deploy(
-        replace(base, transfer=TransferConfig(transport="gloo", lease_seconds=10.0)),
+        replace(
+            base,
+            transfer=TransferConfig(transport="gloo", lease_seconds=10.0),
+            token_stream="serve",
+        ),
         APP,
         "/gloo",
     )

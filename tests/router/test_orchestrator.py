@@ -1,5 +1,7 @@
 """The orchestrator's retry rules, with pool handles replaced by doubles (the real pools are
-exercised end to end in tests/e2e). A retried hop must never duplicate tokens the client has."""
+exercised end to end in tests/e2e). A retried hop must never duplicate tokens the client has.
+Each rule is checked with both token relays: the Serve stream, and the direct token stream
+(a real `TokenStreamServer` and `TokenSender` on loopback, the worker call a double)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from cluster.model_loader import ModelInfo
 from cluster.pool_messages import PrefillResult, WorkerChunk
 from cluster.request import StepOutput
 from cluster.sampling_params import SamplingParams
+from decode_worker.token_sender import TokenSender
 from router.orchestrator import Orchestrator
+from router.token_stream import TokenStreamServer
 
 LAYOUT = KVLayout("m@0", "float32", 2, 2, 8, 16)
 
@@ -49,10 +53,30 @@ class FakePools:
         pools = self
 
         class D:
+            decode_to = _Remote(lambda req, route: asyncio.ensure_future(pools._to(req, route)))
+
             def options(self, stream: bool):
                 return type("S", (), {"decode": _Remote(pools._decode)})()
 
         return D()
+
+    async def _to(self, decode_request, route):
+        """The direct relay's worker call: the same plan, sent through a real TokenSender."""
+        sender = TokenSender()
+        chunks = self._decode(decode_request)
+        try:
+            sink = None
+            async for c in chunks:
+                if sink is None:
+                    make = lambda out, first, c=c: c  # noqa: E731 - the chunk as planned
+                    sink = await sender.open(route, decode_request.request.request_id, make)
+                sink.make = lambda out, first, c=c: c
+                sink.put(c.output).flush()
+                if not c.output.finished:
+                    await asyncio.sleep(0.2)  # let the router take it before a planned failure
+            await sink.done
+        finally:
+            sender.close()
 
     async def _prefill(self, request):
         self.prefill_calls += 1
@@ -90,22 +114,32 @@ class NoRelease:
         return True
 
 
-def orchestrator(pools: FakePools) -> Orchestrator:
+@pytest.fixture(params=["direct", "serve"])
+def relay(request) -> str:
+    return request.param
+
+
+def run(pools: FakePools, relay: str) -> list:
     spec = ArchSpec(
         512, 64, 128, 2, 4, 2, 8, 1e-5, 256, {}, False, False, False, False, False, None
     )
     info = ModelInfo(spec, None, "m@0", frozenset(), 256)
-    config = AppConfig(model=ModelConfig(path="/nonexistent"), max_retries=2)
-    orch = Orchestrator(config, info, pools.prefill, pools.decode, None)
-    orch.kv_client = NoRelease()
-    return orch
+    config = AppConfig(model=ModelConfig(path="/nonexistent"), max_retries=2, token_stream=relay)
 
-
-def run(orch: Orchestrator) -> list:
     async def go():
+        tokens = TokenStreamServer("127.0.0.1") if relay == "direct" else None
+        if tokens is not None:
+            await tokens.start()
+        orch = Orchestrator(config, info, pools.prefill, pools.decode, None, tokens=tokens)
+        orch.kv_client = NoRelease()
         params = SamplingParams(max_tokens=3, temperature=0.0)
         request = orch.build_request(None, [1, 2, 3], params, "r1")
-        return [c async for c in orch.generate(request)]
+        try:
+            return [c async for c in orch.generate(request)]
+        finally:
+            if tokens is not None:
+                assert not tokens._subs  # every subscription was closed
+                await tokens.stop()
 
     return asyncio.run(go())
 
@@ -114,29 +148,29 @@ def tokens(chunks) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-def test_prefill_retried_on_unavailable():
+def test_prefill_retried_on_unavailable(relay):
     pools = FakePools(prefill_failures=2, decode_plan=["ok"])
-    chunks = run(orchestrator(pools))
+    chunks = run(pools, relay)
     assert tokens(chunks) == [7, 8, 9] and pools.prefill_calls == 3
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
 
 
-def test_decode_failing_before_its_first_token_is_redone_without_duplicates():
+def test_decode_failing_before_its_first_token_is_redone_without_duplicates(relay):
     pools = FakePools(decode_plan=["fail-early", "ok"])
-    chunks = run(orchestrator(pools))
+    chunks = run(pools, relay)
     assert tokens(chunks) == [7, 8, 9]  # the first token is sent once
     assert pools.prefill_calls == 2 and pools.decode_calls == 2
 
 
-def test_decode_failing_mid_stream_is_not_replayed():
+def test_decode_failing_mid_stream_is_not_replayed(relay):
     pools = FakePools(decode_plan=["fail-late", "ok"])
     with pytest.raises(Unavailable):
-        run(orchestrator(pools))
+        run(pools, relay)
     assert pools.decode_calls == 1
 
 
-def test_retries_are_bounded():
+def test_retries_are_bounded(relay):
     pools = FakePools(prefill_failures=10)
     with pytest.raises(Unavailable):
-        run(orchestrator(pools))
+        run(pools, relay)
     assert pools.prefill_calls == 3

@@ -1,0 +1,231 @@
+"""A worker's side of the direct token stream: step outputs go from the engine thread straight
+to the router's `TokenStreamServer`, one frame per router connection per step.
+
+Streaming each token back through the Serve handle costs the worker's process several event
+loop wake-ups per token, and every one of them takes the GIL from the engine thread in the
+middle of a step (cluster/benchmarks/serving_bench.py measures it). Here the engine thread
+encodes and sends the frame itself; the event loop only opens connections, flushes what the
+socket could not take at once, and learns when a stream ends.
+
+Ownership: a `TokenSender` owns one connection per router endpoint, shared by all streams to
+that router. A `StreamSink` belongs to one request; `put` and `flush` run on the engine
+thread, everything else on the event loop. A connection that breaks (the router went away,
+refused a frame, or stopped reading for `max_pending_bytes`) fails every sink on it, and the
+engine aborts their requests, so no KV blocks stay behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Callable
+
+from cluster.errors import Unavailable
+from cluster.pool_messages import TokenRoute, WorkerChunk
+from cluster.request import StepOutput
+from cluster.token_wire import encode_frame
+
+ChunkMaker = Callable[[StepOutput, bool], WorkerChunk]  # (output, is first) -> chunk
+
+
+class StreamSink:
+    """Where one request's outputs go. `done` resolves after its last output was sent and
+    fails if the connection broke first."""
+
+    def __init__(self, conn: _Connection, request_id: str, key: bytes, make: ChunkMaker) -> None:
+        self.conn = conn
+        self.request_id = request_id
+        self.key = key
+        self.make = make
+        self.first: WorkerChunk | None = None
+        self.done: asyncio.Future = conn.loop.create_future()
+
+    def put(self, out: StepOutput) -> _Connection:
+        """Engine thread: queue the output on the connection; the engine flushes it after
+        the step's other outputs joined it."""
+        chunk = self.make(out, self.first is None)
+        if self.first is None:
+            self.first = chunk
+        self.conn.add(self, chunk)
+        return self.conn
+
+    def fail(self, exc: BaseException) -> None:
+        self.settle(exc)
+
+    def settle(self, exc: BaseException | None) -> None:
+        if self.done.done():
+            return
+        if exc is None:
+            self.done.set_result(None)
+        else:
+            self.done.set_exception(exc)
+            self.done.exception()  # a sink nobody waits on any more may fail unobserved
+
+
+class _Connection:
+    def __init__(
+        self, sock: socket.socket, loop: asyncio.AbstractEventLoop, max_pending: int
+    ) -> None:
+        self.sock = sock
+        self.loop = loop
+        self.max_pending = max_pending
+        self.lock = threading.Lock()
+        self.sinks: dict[str, StreamSink] = {}
+        self.batch: list[tuple[bytes, WorkerChunk]] = []
+        self.ended: list[StreamSink] = []
+        self.pending = bytearray()  # bytes the socket did not take yet
+        self.broken: BaseException | None = None
+        loop.add_reader(sock.fileno(), self._on_readable)
+
+    def add(self, sink: StreamSink, chunk: WorkerChunk) -> None:
+        self.batch.append((sink.key, chunk))
+        if chunk.output.finished:
+            self.ended.append(sink)
+
+    def flush(self) -> list[str]:
+        """Engine thread: send this step's batch. Returns the request ids whose streams are
+        lost (the connection broke), for the engine to abort."""
+        batch, self.batch = self.batch, []
+        ended, self.ended = self.ended, []
+        with self.lock:
+            if self.broken is None:
+                self._write(encode_frame(batch))
+            failed = self.broken
+            for sink in ended:
+                self.sinks.pop(sink.request_id, None)
+            lost = list(self.sinks) if failed is not None else []
+        for sink in ended:
+            self.loop.call_soon_threadsafe(sink.settle, failed)
+        if failed is not None:
+            self.loop.call_soon_threadsafe(self._fail_all, failed)
+        return lost
+
+    def _write(self, frame: bytes) -> None:
+        """Under the lock: send now, or queue behind what is pending for the loop to flush."""
+        if self.pending:
+            self.pending += frame
+        else:
+            try:
+                sent = self.sock.send(frame)
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:
+                self.broken = Unavailable(f"token stream to the router broke: {e}")
+                return
+            if sent < len(frame):
+                self.pending += frame[sent:]
+                self.loop.call_soon_threadsafe(self._watch_writable)
+        if len(self.pending) > self.max_pending:
+            self.broken = Unavailable("the router stopped reading its token stream")
+
+    def _watch_writable(self) -> None:
+        with contextlib.suppress(ValueError, OSError):  # closed meanwhile
+            self.loop.add_writer(self.sock.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        with self.lock:
+            try:
+                sent = self.sock.send(self.pending) if self.pending else 0
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self.broken = Unavailable(f"token stream to the router broke: {e}")
+                sent = len(self.pending)
+            del self.pending[:sent]
+            if self.pending:
+                return
+        self.loop.remove_writer(self.sock.fileno())
+        if self.broken is not None:
+            self._fail_all(self.broken)
+
+    def _on_readable(self) -> None:
+        """The router never writes: readable means it closed the connection (or broke it)."""
+        try:
+            data = self.sock.recv(1)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            data, reason = b"", str(e)
+        else:
+            reason = "closed by the router" if not data else "the router wrote to it"
+        with self.lock:
+            self.broken = self.broken or Unavailable(f"token stream connection {reason}")
+        self._fail_all(self.broken)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Loop thread: fail every open stream; their workers abort the requests."""
+        with self.lock:
+            sinks, self.sinks = list(self.sinks.values()), {}
+        for sink in sinks:
+            sink.settle(exc)
+        self.close()
+
+    def close(self) -> None:
+        if self.sock.fileno() < 0:
+            return
+        self.loop.remove_reader(self.sock.fileno())
+        self.loop.remove_writer(self.sock.fileno())
+        self.sock.close()
+
+
+class TokenSender:
+    """This worker's connections to router token servers."""
+
+    def __init__(self, connect_timeout_s: float = 10.0, max_pending_bytes: int = 64 << 20) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_pending_bytes = max_pending_bytes
+        self._conns: dict[str, _Connection] = {}
+        self._connecting: dict[str, asyncio.Future] = {}
+
+    async def open(self, route: TokenRoute, request_id: str, make: ChunkMaker) -> StreamSink:
+        """A sink for `request_id` on the connection to `route.endpoint` (opened on first use).
+        Raises Unavailable when the router cannot be reached."""
+        conn = await self._connection(route.endpoint)
+        sink = StreamSink(conn, request_id, route.key, make)
+        with conn.lock:
+            if conn.broken is not None:
+                raise conn.broken
+            conn.sinks[request_id] = sink
+        return sink
+
+    def discard(self, sink: StreamSink) -> None:
+        """Forget a sink that will get no more outputs (its request was aborted)."""
+        with sink.conn.lock:
+            sink.conn.sinks.pop(sink.request_id, None)
+
+    async def _connection(self, endpoint: str) -> _Connection:
+        conn = self._conns.get(endpoint)
+        if conn is not None and conn.broken is None and conn.sock.fileno() >= 0:
+            return conn
+        pending = self._connecting.get(endpoint)
+        if pending is None:
+            pending = asyncio.ensure_future(self._connect(endpoint))
+            self._connecting[endpoint] = pending
+            pending.add_done_callback(lambda _: self._connecting.pop(endpoint, None))
+        return await asyncio.shield(pending)
+
+    async def _connect(self, endpoint: str) -> _Connection:
+        host, _, port = endpoint.rpartition(":")
+        loop = asyncio.get_running_loop()
+        try:
+            sock = await asyncio.wait_for(
+                asyncio.to_thread(socket.create_connection, (host, int(port))),
+                self.connect_timeout_s,
+            )
+        except (OSError, TimeoutError, ValueError) as e:
+            raise Unavailable(f"cannot reach the router's token stream at {endpoint}: {e}") from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        conn = _Connection(sock, loop, self.max_pending_bytes)
+        old = self._conns.get(endpoint)
+        if old is not None:
+            old.close()
+        self._conns[endpoint] = conn
+        return conn
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn._fail_all(Unavailable("the worker is shutting down"))
+        self._conns.clear()

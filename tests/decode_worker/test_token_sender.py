@@ -1,0 +1,262 @@
+"""The direct token stream between a real engine thread and a real router-side server on
+loopback: outputs arrive in order with the worker's extras, a broken or hostile connection
+fails its streams and the engine frees their blocks, and a router that stops reading is
+buffered up to a bound. The engine's greedy tokens are checked against the engine itself
+(`Engine.generate`), which the oracle tests tie to transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from cluster.async_engine import AsyncEngine
+from cluster.errors import InvalidArgument, Unavailable
+from cluster.pool_messages import TokenRoute, WorkerChunk
+from cluster.request import Request, StepOutput
+from cluster.token_wire import decode_items, read_frame
+from decode_worker.token_sender import TokenSender, _Connection
+from router.token_stream import TokenStreamServer
+from tests.conftest import greedy, prompt
+
+ARCH = "llama-gqa"
+
+
+def chunk_maker(replica: str):
+    def make(out: StepOutput, first: bool) -> WorkerChunk:
+        return WorkerChunk(out, replica, kv_transfer_seconds=1.5 if first else 0.0)
+
+    return make
+
+
+async def collect(sub) -> list[WorkerChunk]:
+    chunks = []
+    while True:
+        c = await asyncio.wait_for(sub.next(), 30)
+        chunks.append(c)
+        if c.output.finished:
+            return chunks
+
+
+async def used(engine: AsyncEngine) -> int:
+    return await engine.call(lambda e: e.stats().kv_blocks_used)
+
+
+def test_outputs_reach_their_subscriptions_in_order(model_dir, make_engine):
+    path = model_dir(ARCH)
+    reqs = [Request(f"r{i}", prompt(5 + 3 * i, i), greedy(6 + i)) for i in range(3)]
+    expected = {r.request_id: make_engine(path).generate([r])[0].token_ids for r in reqs}
+
+    async def go():
+        engine = AsyncEngine(make_engine(path))
+        engine.start()
+        server = TokenStreamServer("127.0.0.1")
+        await server.start()
+        sender = TokenSender()
+        try:
+            subs = [server.subscribe(r.request_id) for r in reqs]
+            sinks = [
+                await sender.open(s.route, r.request_id, chunk_maker("w0"))
+                for s, r in zip(subs, reqs, strict=True)
+            ]
+            runs = [
+                engine.stream_to(r.request_id, lambda e, r=r: e.add_request(r), sink)
+                for r, sink in zip(reqs, sinks, strict=True)
+            ]
+            got = await asyncio.gather(*(collect(s) for s in subs), *runs)
+            assert len(sender._conns) == 1  # one connection carries every stream
+            assert await used(engine) == 0
+            return got[: len(reqs)]
+        finally:
+            sender.close()
+            await server.stop()
+            await engine.stop()
+
+    streams = asyncio.run(go())
+    for r, chunks in zip(reqs, streams, strict=True):
+        assert [t for c in chunks for t in c.output.token_ids] == expected[r.request_id]
+        assert chunks[-1].output.finish_reason == "length"
+        assert [c.kv_transfer_seconds for c in chunks[:2]] == [1.5, 0.0]
+        assert {c.replica_id for c in chunks} == {"w0"}
+
+
+def test_a_wrong_key_drops_the_connection_and_the_engine_aborts(model_dir, make_engine):
+    path = model_dir(ARCH)
+
+    async def go():
+        engine = AsyncEngine(make_engine(path))
+        engine.start()
+        server = TokenStreamServer("127.0.0.1")
+        await server.start()
+        sender = TokenSender()
+        try:
+            sub = server.subscribe("r1")
+            forged = TokenRoute(sub.route.endpoint, bytes(16))
+            sink = await sender.open(forged, "r1", chunk_maker("w0"))
+            req = Request("r1", prompt(6, 1), greedy(500))
+            with pytest.raises(Unavailable):
+                await asyncio.wait_for(
+                    engine.stream_to("r1", lambda e: e.add_request(req), sink), 30
+                )
+            assert sub.queue.empty()  # nothing with the wrong key was delivered
+            assert await used(engine) == 0
+        finally:
+            sender.close()
+            await server.stop()
+            await engine.stop()
+
+    asyncio.run(go())
+
+
+def test_router_going_away_mid_stream_aborts_the_request(model_dir, make_engine):
+    path = model_dir(ARCH)
+
+    async def go():
+        engine = AsyncEngine(make_engine(path))
+        engine.start()
+        server = TokenStreamServer("127.0.0.1")
+        await server.start()
+        sender = TokenSender()
+        try:
+            sub = server.subscribe("r1")
+            sink = await sender.open(sub.route, "r1", chunk_maker("w0"))
+            req = Request("r1", prompt(6, 1), greedy(2000))
+            run = asyncio.ensure_future(engine.stream_to("r1", lambda e: e.add_request(req), sink))
+            await asyncio.wait_for(sub.next(), 30)  # streaming has begun
+            await server.stop()
+            with pytest.raises(Unavailable):
+                await asyncio.wait_for(run, 30)
+            assert await used(engine) == 0
+            # A new router endpoint is reached on a fresh connection.
+            server2 = TokenStreamServer("127.0.0.1")
+            await server2.start()
+            sub2 = server2.subscribe("r2")
+            sink2 = await sender.open(sub2.route, "r2", chunk_maker("w0"))
+            req2 = Request("r2", prompt(6, 2), greedy(3))
+            _, chunks = await asyncio.gather(
+                engine.stream_to("r2", lambda e: e.add_request(req2), sink2), collect(sub2)
+            )
+            assert sum(len(c.output.token_ids) for c in chunks) == 3
+            await server2.stop()
+        finally:
+            sender.close()
+            await engine.stop()
+
+    asyncio.run(go())
+
+
+def test_cancelling_the_worker_call_aborts_and_frees(model_dir, make_engine):
+    path = model_dir(ARCH)
+
+    async def go():
+        engine = AsyncEngine(make_engine(path))
+        engine.start()
+        server = TokenStreamServer("127.0.0.1")
+        await server.start()
+        sender = TokenSender()
+        try:
+            sub = server.subscribe("r1")
+            sink = await sender.open(sub.route, "r1", chunk_maker("w0"))
+            req = Request("r1", prompt(6, 1), greedy(2000))
+            run = asyncio.ensure_future(engine.stream_to("r1", lambda e: e.add_request(req), sink))
+            await asyncio.wait_for(sub.next(), 30)
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            sender.discard(sink)
+            assert await used(engine) == 0
+            assert not sink.conn.sinks and sink.conn.broken is None  # the connection lives on
+        finally:
+            sender.close()
+            await server.stop()
+            await engine.stop()
+
+    asyncio.run(go())
+
+
+def test_unreachable_router_is_unavailable():
+    async def go():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # bound, not listening: connections are refused
+            with pytest.raises(Unavailable):
+                await TokenSender().open(TokenRoute(f"127.0.0.1:{port}", bytes(16)), "r", None)
+
+    asyncio.run(go())
+
+
+def test_a_router_that_stops_reading_is_buffered_then_cut_off():
+    """Frames the socket cannot take wait in order and are flushed when the reader drains;
+    past `max_pending` bytes the connection is broken and its streams lost."""
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        ours.setblocking(False)
+        conn = _Connection(ours, loop, max_pending=1 << 20)
+
+        class Sink:
+            key, request_id = bytes(16), "r1"
+
+        out = StepOutput("r1", (1,), "x" * 2000)
+        n = 0
+        while not conn.pending:
+            conn.add(Sink, WorkerChunk(out, "w0"))
+            assert conn.flush() == []
+            n += 1
+        for _ in range(5):
+            conn.add(Sink, WorkerChunk(out, "w0"))
+            conn.flush()
+            n += 1
+        # Drain on the reader's side while the loop flushes the rest.
+        reader, writer = await asyncio.open_connection(sock=theirs)
+        got = []
+        for _ in range(n):
+            got.extend(decode_items(await asyncio.wait_for(read_frame(reader), 10)))
+        assert len(got) == n and all(c.output.text == out.text for _, c in got)
+        assert not conn.pending and conn.broken is None
+        # Now stop reading for good: the pending bytes pass the bound and the link breaks.
+        conn.sinks["r1"] = Sink
+        lost: list[str] = []
+        while not lost:
+            conn.add(Sink, WorkerChunk(out, "w0"))
+            lost = conn.flush()
+        assert lost == ["r1"] and isinstance(conn.broken, Unavailable)
+        writer.close()
+
+    asyncio.run(go())
+
+
+def test_items_for_requests_nobody_waits_for_are_ignored():
+    async def go():
+        server = TokenStreamServer("127.0.0.1")
+        await server.start()
+        sub = server.subscribe("mine")
+        reader, writer = await asyncio.open_connection(*server.endpoint.rsplit(":", 1))
+        from cluster.token_wire import encode_frame
+
+        stray = WorkerChunk(StepOutput("gone", (1,), "a"), "w0")
+        mine = WorkerChunk(StepOutput("mine", (2,), "b", "stop"), "w0")
+        writer.write(encode_frame([(bytes(16), stray), (sub.route.key, mine)]))
+        await writer.drain()
+        assert await asyncio.wait_for(sub.next(), 10) == mine
+        writer.close()
+        await server.stop()
+
+    asyncio.run(go())
+
+
+def test_subscribing_twice_to_one_request_is_refused():
+    async def go():
+        server = TokenStreamServer("127.0.0.1")
+        await server.start()
+        sub = server.subscribe("r1")
+        with pytest.raises(InvalidArgument):
+            server.subscribe("r1")
+        sub.close()
+        server.subscribe("r1").close()
+        await server.stop()
+
+    asyncio.run(go())

@@ -13,7 +13,9 @@ On one checkpoint (`small` by default, `tiny` with `--quick`), fp32 on CPU (or `
    relayed back through the Serve handles (`token_stream: serve`, `--no-serve-relay` skips
    it). All count the steps after the second output token, so neither the prefill nor
    the KV transfer is in the number. Runs are interleaved (in-process, then each app, repeat)
-   so a change in machine load hits all alike; the added latency is
+   so a change in machine load hits all alike. The serve-relay app is measured last, alone
+   (the other apps deleted first) against in-process runs of its own, so its idle replicas add
+   no load to the others' numbers and vice versa. The added latency is
    the median of the paired differences. The CPU time each process spends per output token
    (read from /proc) shows where the serving path's time goes.
 2. KV transfer throughput on loopback: `GrpcKVClient.fetch` from this process of a prompt's KV
@@ -100,6 +102,9 @@ class Results:
     app: AppConfig
     inproc_s: list[float] = field(default_factory=list)  # per token, one value per run
     inproc_cpu_s: list[float] = field(default_factory=list)  # CPU per token, one per run
+    # the in-process runs paired with the serve-relay app's (measured after the others)
+    relay_inproc_s: list[float] = field(default_factory=list)
+    relay_inproc_cpu_s: list[float] = field(default_factory=list)
     served_s: dict[str, list[float]] = field(default_factory=dict)  # mode -> per token per run
     # mode -> process -> CPU seconds per output token, one value per run
     served_cpu_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)
@@ -385,6 +390,49 @@ def make_prompt(cfg: BenchConfig, engine: Engine, n: int, salt: int = 0) -> list
     return [rng.randrange(16, engine.info.spec.vocab_size) for _ in range(n)]
 
 
+class _DecodeRuns:
+    """Section 1's interleaved decode runs: in-process, then each app, `cfg.repeats` times."""
+
+    def __init__(self, cfg: BenchConfig, res: Results, baseline, engine, stub, prompt) -> None:
+        self.cfg, self.res, self.baseline = cfg, res, baseline
+        self.engine, self.stub, self.prompt = engine, stub, prompt
+
+    def measure(
+        self, modes: list[str], procs: dict[str, int], inproc: list[float], inproc_cpu: list[float]
+    ) -> None:
+        cfg, res, n = self.cfg, self.res, self.cfg.decode_tokens
+        for m in modes:
+            wait_ready(self.stub, MODES[m], self.prompt)
+        # Warm-up: one full run of each, so no first-call cost lands in the numbers.
+        self.baseline.submit(inproc_decode, self.engine, self.prompt, n).result()
+        for m in modes:
+            served_generate(self.stub, MODES[m], self.prompt, n)
+            res.served_s[m], res.served_cpu_s[m] = [], {}
+        for r in range(cfg.repeats):
+            wall, cpu = self.baseline.submit(inproc_decode, self.engine, self.prompt, n).result()
+            inproc.append(wall)
+            inproc_cpu.append(cpu)
+            for m in modes:
+                mine = {k: pid for k, pid in procs.items() if k == "proxy" or k.startswith(m)}
+                before, client_before = cpu_seconds(mine), time.process_time()
+                s = served_generate(self.stub, MODES[m], self.prompt, n)
+                after, client_after = cpu_seconds(mine), time.process_time()
+                res.served_s[m].append(per_token(s.token_times))
+                cpu_per_token = {k: (after[k] - before[k]) / n for k in before if k in after}
+                cpu_per_token["client (this process)"] = (client_after - client_before) / n
+                for k, v in cpu_per_token.items():
+                    res.served_cpu_s[m].setdefault(k, []).append(v)
+                if m == "disaggregated":
+                    t = s.last.timing
+                    res.incl_transfer_s.append(
+                        (t.total_seconds - t.time_to_first_token_seconds) / (n - 1)
+                    )
+            log(
+                f"decode run {r + 1}/{cfg.repeats}: in-process {inproc[-1] * 1e3:.2f} ms/tok"
+                + "".join(f", {m} {res.served_s[m][-1] * 1e3:.2f}" for m in modes)
+            )
+
+
 def _set_thread_niceness(nice: int | None) -> None:
     """Linux niceness is per thread: give the baseline's thread the replicas' priority."""
     if nice is None:
@@ -412,7 +460,6 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
     began = time.perf_counter()
     old_threads = torch.get_num_threads()
     modes = ["disaggregated"] + (["colocated"] if cfg.colocated else [])
-    modes += ["serve-relay"] if cfg.serve_relay else []
     apps = {
         "disaggregated": app,
         "colocated": replace(app, mode="colocated", name=APP_COLOCATED),
@@ -436,40 +483,8 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
         engine = Engine(app.engine_config("colocated"))
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
         short = make_prompt(cfg, engine, cfg.short_prompt)
-        n = cfg.decode_tokens
-
-        for m in modes:
-            wait_ready(stub, MODES[m], short)
-        # Warm-up: one full run of each, so no first-call cost lands in the numbers.
-        baseline.submit(inproc_decode, engine, short, n).result()
-        for m in modes:
-            served_generate(stub, MODES[m], short, n)
-
-        res.served_s = {m: [] for m in modes}
-        res.served_cpu_s = {m: {} for m in modes}
-        for r in range(cfg.repeats):
-            wall, cpu = baseline.submit(inproc_decode, engine, short, n).result()
-            res.inproc_s.append(wall)
-            res.inproc_cpu_s.append(cpu)
-            for m in modes:
-                mine = {k: pid for k, pid in procs.items() if k == "proxy" or k.startswith(m)}
-                before, client_before = cpu_seconds(mine), time.process_time()
-                s = served_generate(stub, MODES[m], short, n)
-                after, client_after = cpu_seconds(mine), time.process_time()
-                res.served_s[m].append(per_token(s.token_times))
-                cpu_per_token = {k: (after[k] - before[k]) / n for k in before if k in after}
-                cpu_per_token["client (this process)"] = (client_after - client_before) / n
-                for k, v in cpu_per_token.items():
-                    res.served_cpu_s[m].setdefault(k, []).append(v)
-                if m == "disaggregated":
-                    t = s.last.timing
-                    res.incl_transfer_s.append(
-                        (t.total_seconds - t.time_to_first_token_seconds) / (n - 1)
-                    )
-            log(
-                f"decode run {r + 1}/{cfg.repeats}: in-process {res.inproc_s[-1] * 1e3:.2f} ms/tok"
-                + "".join(f", {m} {res.served_s[m][-1] * 1e3:.2f}" for m in modes)
-            )
+        runs = _DecodeRuns(cfg, res, baseline, engine, stub, short)
+        runs.measure(modes, procs, res.inproc_s, res.inproc_cpu_s)
 
         prefill = serve.get_deployment_handle("Prefill", app_name=APP)
         loop = asyncio.new_event_loop()
@@ -508,6 +523,18 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
                 f"TTFT {n_tok} tokens: {x['ttft'] * 1e3:.0f} ms, "
                 f"transfer {x['transfer'] * 1e3:.1f} ms"
             )
+
+        if cfg.serve_relay:  # alone: the other apps go first, so their replicas add no load
+            for m in modes:
+                serve.delete(MODES[m])
+            log(f"deploying {APP_SERVE_RELAY}")
+            serve.run(
+                build_app(apps["serve-relay"]),
+                name=APP_SERVE_RELAY,
+                route_prefix=f"/{APP_SERVE_RELAY}",
+            )
+            procs = serving_processes()
+            runs.measure(["serve-relay"], procs, res.relay_inproc_s, res.relay_inproc_cpu_s)
         del engine
     finally:
         if baseline is not None:
@@ -584,7 +611,13 @@ def render(res: Results, argv: list[str]) -> str:
     for mode, xs in res.served_s.items():
         if not xs:
             continue
-        diffs = [s - i for s, i in zip(xs, res.inproc_s, strict=True)]
+        base = _baseline(res, mode)
+        if base is not res.inproc_s:
+            lines.append(
+                f"| {ROWS[0]}, paired with the next app's runs | {_med(base) * 1e3:.2f} | "
+                f"{_spread(base)} |"
+            )
+        diffs = [s - i for s, i in zip(xs, base, strict=True)]
         added[mode] = _med(diffs)
         label = LABELS[mode]
         lines.append(
@@ -676,6 +709,10 @@ def render(res: Results, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _baseline(res: Results, mode: str) -> list[float]:
+    return res.relay_inproc_s if mode == "serve-relay" else res.inproc_s
+
+
 def _cpu_table(res: Results) -> list[str]:
     modes = [m for m in res.served_cpu_s if res.served_cpu_s[m]]
     if not modes:
@@ -689,7 +726,10 @@ def _cpu_table(res: Results) -> list[str]:
         "| process | " + " | ".join(modes) + " |",
         "|---|" + "---|" * len(modes),
         "| in-process baseline (engine thread) | "
-        + " | ".join(f"{_med(res.inproc_cpu_s) * 1e3:.2f}" for _ in modes)
+        + " | ".join(
+            f"{_med(res.relay_inproc_cpu_s if m == 'serve-relay' else res.inproc_cpu_s) * 1e3:.2f}"
+            for m in modes
+        )
         + " |",
     ]
     for name in names:

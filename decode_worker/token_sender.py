@@ -222,6 +222,8 @@ class TokenSender:
         old = self._conns.get(endpoint)
         if old is not None:
             old.close()
+        # Forget closed connections, e.g. to routers that autoscaling removed.
+        self._conns = {e: c for e, c in self._conns.items() if c.sock.fileno() >= 0}
         self._conns[endpoint] = conn
         return conn
 

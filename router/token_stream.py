@@ -36,25 +36,30 @@ class Subscription:
         self.request_id = request_id
         self.route = TokenRoute(server.endpoint, secrets.token_bytes(KEY_BYTES))
         self.queue: asyncio.Queue[WorkerChunk | asyncio.Future] = asyncio.Queue()
+        self.call: asyncio.Future | None = None  # the worker call, once it has ended
 
     def watch(self, call: asyncio.Future) -> None:
         """End the stream with `call`'s outcome if the items stop (see `next`)."""
         call.add_done_callback(self.queue.put_nowait)
 
     async def next(self) -> WorkerChunk:
-        """The next chunk. Raises the worker call's error, or Unavailable when the call
-        returned and no last item came within the grace period."""
-        item = await self.queue.get()
-        if isinstance(item, WorkerChunk):
-            return item
-        if not item.cancelled() and item.exception() is not None:
-            raise item.exception()
-        try:
-            item = await asyncio.wait_for(self.queue.get(), self.server.grace_s)
-        except TimeoutError:
-            raise Unavailable("the worker finished but its token stream did not arrive") from None
-        assert isinstance(item, WorkerChunk)
-        return item
+        """The next chunk. Raises the worker call's error, or Unavailable when the call has
+        returned and the next item does not come within the grace period."""
+        while True:
+            if self.call is not None and self.queue.empty():
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), self.server.grace_s)
+                except TimeoutError:
+                    raise Unavailable(
+                        "the worker finished but its token stream did not arrive"
+                    ) from None
+            else:
+                item = await self.queue.get()
+            if isinstance(item, WorkerChunk):
+                return item
+            self.call = item  # the call ended: its error, if any, ends the stream
+            if not item.cancelled() and item.exception() is not None:
+                raise item.exception()
 
     def close(self) -> None:
         self.server._subs.pop(self.request_id, None)

@@ -111,6 +111,25 @@ def test_first_message_arrives_before_decode_finishes(apps):
     assert t.prefill_seconds <= t.time_to_first_token_seconds
 
 
+@pytest.mark.parametrize("app", [PD, CO])
+def test_a_client_cancelling_mid_stream_frees_everything(apps, app):
+    """The client goes away after a few tokens: the stream ends CANCELLED, every replica's KV
+    blocks come back and the app keeps serving. (That the worker aborts at once, rather than
+    running to max_tokens, is shown by tests/decode_worker/test_token_sender.py.)"""
+    request = pb.GenerateRequest(prompt="cancel me", sampling=greedy_sampling(1500))
+    call = stub(apps).Generate(request, metadata=app_metadata(app))
+    got = [next(call) for _ in range(3)]
+    assert sum(len(m.token_ids) for m in got) >= 3
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            pass
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    wait_for_idle(apps, app, {"prefill", "decode"} if app == PD else {"colocated"})
+    msgs, _ = generate(apps, app, prompt="still serving", sampling=greedy_sampling(4))
+    assert len(tokens(msgs)) == 4
+
+
 def test_openai_client_completions_and_chat(apps, tokenizer_model_dir, hf):
     from transformers import AutoTokenizer
 

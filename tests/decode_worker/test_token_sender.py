@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import pytest
 
@@ -23,11 +27,20 @@ from tests.conftest import greedy, prompt
 ARCH = "llama-gqa"
 
 
-def chunk_maker(replica: str):
+def chunk_maker(replica: str, hold=None):
+    """Chunks as a decode worker makes them. `hold()`, if given, runs on the engine thread
+    before every output after the first: the test decides when the stream goes on."""
+
     def make(out: StepOutput, first: bool) -> WorkerChunk:
+        if not first and hold is not None:
+            hold()
         return WorkerChunk(out, replica, kv_transfer_seconds=1.5 if first else 0.0)
 
     return make
+
+
+def until(event: threading.Event):
+    return lambda: event.wait(30)
 
 
 async def collect(sub) -> list[WorkerChunk]:
@@ -43,35 +56,48 @@ async def used(engine: AsyncEngine) -> int:
     return await engine.call(lambda e: e.stats().kv_blocks_used)
 
 
+@dataclass
+class Rig:
+    engine: AsyncEngine
+    server: TokenStreamServer
+    sender: TokenSender
+
+    def run(self, req: Request, sink) -> asyncio.Future:
+        rid = req.request_id
+        return asyncio.ensure_future(self.engine.stream_to(rid, lambda e: e.add_request(req), sink))
+
+
+@asynccontextmanager
+async def rig(engine) -> AsyncIterator[Rig]:
+    """A started engine thread, a router-side server and a worker-side sender on loopback."""
+    r = Rig(AsyncEngine(engine), TokenStreamServer("127.0.0.1"), TokenSender())
+    r.engine.start()
+    await r.server.start()
+    try:
+        yield r
+    finally:
+        r.sender.close()
+        await r.server.stop()
+        await r.engine.stop()
+
+
 def test_outputs_reach_their_subscriptions_in_order(model_dir, make_engine):
     path = model_dir(ARCH)
     reqs = [Request(f"r{i}", prompt(5 + 3 * i, i), greedy(6 + i)) for i in range(3)]
     expected = {r.request_id: make_engine(path).generate([r])[0].token_ids for r in reqs}
 
     async def go():
-        engine = AsyncEngine(make_engine(path))
-        engine.start()
-        server = TokenStreamServer("127.0.0.1")
-        await server.start()
-        sender = TokenSender()
-        try:
-            subs = [server.subscribe(r.request_id) for r in reqs]
+        async with rig(make_engine(path)) as t:
+            subs = [t.server.subscribe(r.request_id) for r in reqs]
             sinks = [
-                await sender.open(s.route, r.request_id, chunk_maker("w0"))
+                await t.sender.open(s.route, r.request_id, chunk_maker("w0"))
                 for s, r in zip(subs, reqs, strict=True)
             ]
-            runs = [
-                engine.stream_to(r.request_id, lambda e, r=r: e.add_request(r), sink)
-                for r, sink in zip(reqs, sinks, strict=True)
-            ]
+            runs = [t.run(r, sink) for r, sink in zip(reqs, sinks, strict=True)]
             got = await asyncio.gather(*(collect(s) for s in subs), *runs)
-            assert len(sender._conns) == 1  # one connection carries every stream
-            assert await used(engine) == 0
+            assert len(t.sender._conns) == 1  # one connection carries every stream
+            assert await used(t.engine) == 0
             return got[: len(reqs)]
-        finally:
-            sender.close()
-            await server.stop()
-            await engine.stop()
 
     streams = asyncio.run(go())
     for r, chunks in zip(reqs, streams, strict=True):
@@ -85,26 +111,16 @@ def test_a_wrong_key_drops_the_connection_and_the_engine_aborts(model_dir, make_
     path = model_dir(ARCH)
 
     async def go():
-        engine = AsyncEngine(make_engine(path))
-        engine.start()
-        server = TokenStreamServer("127.0.0.1")
-        await server.start()
-        sender = TokenSender()
-        try:
-            sub = server.subscribe("r1")
+        async with rig(make_engine(path)) as t:
+            sub = t.server.subscribe("r1")
             forged = TokenRoute(sub.route.endpoint, bytes(16))
-            sink = await sender.open(forged, "r1", chunk_maker("w0"))
-            req = Request("r1", prompt(6, 1), greedy(500))
+            broken = threading.Event()  # the stream may not end before the drop is seen
+            sink = await t.sender.open(forged, "r1", chunk_maker("w0", until(broken)))
+            sink.done.add_done_callback(lambda _: broken.set())
             with pytest.raises(Unavailable):
-                await asyncio.wait_for(
-                    engine.stream_to("r1", lambda e: e.add_request(req), sink), 30
-                )
+                await asyncio.wait_for(t.run(Request("r1", prompt(6, 1), greedy(100)), sink), 30)
             assert sub.queue.empty()  # nothing with the wrong key was delivered
-            assert await used(engine) == 0
-        finally:
-            sender.close()
-            await server.stop()
-            await engine.stop()
+            assert await used(t.engine) == 0
 
     asyncio.run(go())
 
@@ -113,35 +129,26 @@ def test_router_going_away_mid_stream_aborts_the_request(model_dir, make_engine)
     path = model_dir(ARCH)
 
     async def go():
-        engine = AsyncEngine(make_engine(path))
-        engine.start()
-        server = TokenStreamServer("127.0.0.1")
-        await server.start()
-        sender = TokenSender()
-        try:
-            sub = server.subscribe("r1")
-            sink = await sender.open(sub.route, "r1", chunk_maker("w0"))
-            req = Request("r1", prompt(6, 1), greedy(2000))
-            run = asyncio.ensure_future(engine.stream_to("r1", lambda e: e.add_request(req), sink))
+        async with rig(make_engine(path)) as t:
+            sub = t.server.subscribe("r1")
+            gone = threading.Event()
+            sink = await t.sender.open(sub.route, "r1", chunk_maker("w0", until(gone)))
+            run = t.run(Request("r1", prompt(6, 1), greedy(100)), sink)
             await asyncio.wait_for(sub.next(), 30)  # streaming has begun
-            await server.stop()
+            await t.server.stop()
+            gone.set()
             with pytest.raises(Unavailable):
                 await asyncio.wait_for(run, 30)
-            assert await used(engine) == 0
+            assert await used(t.engine) == 0
             # A new router endpoint is reached on a fresh connection.
             server2 = TokenStreamServer("127.0.0.1")
             await server2.start()
             sub2 = server2.subscribe("r2")
-            sink2 = await sender.open(sub2.route, "r2", chunk_maker("w0"))
-            req2 = Request("r2", prompt(6, 2), greedy(3))
-            _, chunks = await asyncio.gather(
-                engine.stream_to("r2", lambda e: e.add_request(req2), sink2), collect(sub2)
-            )
+            sink2 = await t.sender.open(sub2.route, "r2", chunk_maker("w0"))
+            run2 = t.run(Request("r2", prompt(6, 2), greedy(3)), sink2)
+            _, chunks = await asyncio.gather(run2, collect(sub2))
             assert sum(len(c.output.token_ids) for c in chunks) == 3
             await server2.stop()
-        finally:
-            sender.close()
-            await engine.stop()
 
     asyncio.run(go())
 
@@ -150,27 +157,19 @@ def test_cancelling_the_worker_call_aborts_and_frees(model_dir, make_engine):
     path = model_dir(ARCH)
 
     async def go():
-        engine = AsyncEngine(make_engine(path))
-        engine.start()
-        server = TokenStreamServer("127.0.0.1")
-        await server.start()
-        sender = TokenSender()
-        try:
-            sub = server.subscribe("r1")
-            sink = await sender.open(sub.route, "r1", chunk_maker("w0"))
-            req = Request("r1", prompt(6, 1), greedy(2000))
-            run = asyncio.ensure_future(engine.stream_to("r1", lambda e: e.add_request(req), sink))
+        async with rig(make_engine(path)) as t:
+            sub = t.server.subscribe("r1")
+            cancelled = threading.Event()
+            sink = await t.sender.open(sub.route, "r1", chunk_maker("w0", until(cancelled)))
+            run = t.run(Request("r1", prompt(6, 1), greedy(100)), sink)
             await asyncio.wait_for(sub.next(), 30)
             run.cancel()
+            cancelled.set()
             with pytest.raises(asyncio.CancelledError):
                 await run
-            sender.discard(sink)
-            assert await used(engine) == 0
+            t.sender.discard(sink)
+            assert await used(t.engine) == 0
             assert not sink.conn.sinks and sink.conn.broken is None  # the connection lives on
-        finally:
-            sender.close()
-            await server.stop()
-            await engine.stop()
 
     asyncio.run(go())
 

@@ -58,8 +58,9 @@ class Router:
         return model_info_to_proto(self.orch)
 
     async def __del__(self) -> None:
-        if self.tokens is not None:
-            await self.tokens.stop()
+        tokens = getattr(self, "tokens", None)  # absent if __init__ failed early
+        if tokens is not None:
+            await tokens.stop()
 
     async def GetStats(self, request: pb.GetStatsRequest, grpc_context) -> pb.ClusterStats:
         try:

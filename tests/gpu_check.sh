@@ -70,9 +70,9 @@ stage engine 150 sh -c "$PY -m cluster.benchmarks.engine_bench --device cuda --d
 
 if "$PY" -c 'import ray.serve' 2>/dev/null; then
     stage serving-gpu 150 "$PY" -m cluster.benchmarks.serving_bench --device cuda \
-        --dtype bfloat16 --repeats 5 --out "$OUT/serving-gpu-bf16.md"
+        --dtype bfloat16 --repeats 5 --no-serve-relay --out "$OUT/serving-gpu-bf16.md"
     stage serving-cpu 200 "$PY" -m cluster.benchmarks.serving_bench --threads 4 --repeats 5 \
-        --out "$OUT/serving-cpu-fp32.md"
+        --no-serve-relay --out "$OUT/serving-cpu-fp32.md"
 else
     echo "== serving stages skipped: Ray Serve is not importable" | tee "$OUT/serving.log"
 fi

@@ -12,8 +12,9 @@ On one checkpoint (`small` by default, `tiny` with `--quick`), fp32 on CPU (or `
    colocated, with the default direct token stream, and disaggregated once more with tokens
    relayed back through the Serve handles (`token_stream: serve`, `--no-serve-relay` skips
    it). All count the steps after the second output token, so neither the prefill nor
-   the KV transfer is in the number. Runs are interleaved (in-process, then each app, repeat)
-   so a change in machine load hits all alike. The serve-relay app is measured last, alone
+   the KV transfer is in the number. Runs are interleaved (in-process and each app, the order
+   rotated every repeat) so a change in machine load hits all alike and none always runs
+   right after another. The serve-relay app is measured last, alone
    (the other apps deleted first) against in-process runs of its own, so its idle replicas add
    no load to the others' numbers and vice versa. The added latency is
    the median of the paired differences. The CPU time each process spends per output token
@@ -409,10 +410,18 @@ class _DecodeRuns:
             served_generate(self.stub, MODES[m], self.prompt, n)
             res.served_s[m], res.served_cpu_s[m] = [], {}
         for r in range(cfg.repeats):
-            wall, cpu = self.baseline.submit(inproc_decode, self.engine, self.prompt, n).result()
-            inproc.append(wall)
-            inproc_cpu.append(cpu)
-            for m in modes:
+            # Rotate the order (in-process first, then second, ...) so that no app always runs
+            # right after the in-process engine, or right after another app.
+            order = [None, *modes]
+            order = order[r % len(order) :] + order[: r % len(order)]
+            for m in order:
+                if m is None:
+                    wall, cpu = self.baseline.submit(
+                        inproc_decode, self.engine, self.prompt, n
+                    ).result()
+                    inproc.append(wall)
+                    inproc_cpu.append(cpu)
+                    continue
                 mine = {k: pid for k, pid in procs.items() if k == "proxy" or k.startswith(m)}
                 before, client_before = cpu_seconds(mine), time.process_time()
                 s = served_generate(self.stub, MODES[m], self.prompt, n)
@@ -601,7 +610,7 @@ def render(res: Results, argv: list[str]) -> str:
         "",
         "Per run: mean step over output tokens 2..N (client-side message arrival times when "
         "served), so neither prefill nor KV transfer is included. Added = median of the paired "
-        "(served − in-process) differences of interleaved runs.",
+        "(served − in-process) differences of interleaved runs (order rotated every repeat).",
         "",
         "| metric | median (ms) | runs min–max (ms) |",
         "|---|---|---|",

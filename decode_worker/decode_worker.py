@@ -57,23 +57,22 @@ class DecodeWorker(EngineReplica):
         request, kv = await self._fetch(req)
         marks: dict[str, float] = {}
 
-        def admit(engine) -> None:
+        def admit(engine) -> None:  # engine thread, like `make`
             engine.import_kv(request, kv, req.first_token)
             marks["imported"] = time.monotonic()
+            marks["transfer"] = self._transferred(started, marks["imported"], kv)
 
         def make(out: StepOutput, first: bool) -> WorkerChunk:
             if not first:
                 return WorkerChunk(out, self.replica_id)
-            marks["first"] = time.monotonic()
-            return WorkerChunk(out, self.replica_id, marks["imported"] - started)
+            self._queued(time.monotonic() - marks["imported"])
+            return WorkerChunk(out, self.replica_id, marks["transfer"])
 
         sink = await self.tokens.open(route, request.request_id, make)
         try:
             await self.engine.stream_to(request.request_id, admit, sink)
         finally:
             self.tokens.discard(sink)
-        self._transferred(started, marks["imported"], kv)
-        self._queued(marks["first"] - marks["imported"])
 
     async def _fetch(self, req: DecodeRequest) -> tuple[Request, KVExport]:
         try:

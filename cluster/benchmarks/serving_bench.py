@@ -718,8 +718,11 @@ def render(res: Results, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _baseline(res: Results, mode: str) -> list[float]:
-    return res.relay_inproc_s if mode == "serve-relay" else res.inproc_s
+def _baseline(res: Results, mode: str, cpu: bool = False) -> list[float]:
+    """The in-process runs (wall, or CPU with `cpu`) that `mode`'s runs are paired with."""
+    if mode == "serve-relay":
+        return res.relay_inproc_cpu_s if cpu else res.relay_inproc_s
+    return res.inproc_cpu_s if cpu else res.inproc_s
 
 
 def _cpu_table(res: Results) -> list[str]:
@@ -735,10 +738,7 @@ def _cpu_table(res: Results) -> list[str]:
         "| process | " + " | ".join(modes) + " |",
         "|---|" + "---|" * len(modes),
         "| in-process baseline (engine thread) | "
-        + " | ".join(
-            f"{_med(res.relay_inproc_cpu_s if m == 'serve-relay' else res.inproc_cpu_s) * 1e3:.2f}"
-            for m in modes
-        )
+        + " | ".join(f"{_med(_baseline(res, m, cpu=True)) * 1e3:.2f}" for m in modes)
         + " |",
     ]
     for name in names:

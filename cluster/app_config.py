@@ -17,6 +17,7 @@ from cluster.autoscaling import (
     AutoscalingSettings,
 )
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
+from cluster.cpu_affinity import parse_cpu_list
 from cluster.errors import InvalidArgument
 
 Mode = Literal["disaggregated", "colocated"]
@@ -37,6 +38,10 @@ class PoolConfig:
     # GIL with Serve's event loop; at Python's default (5 ms) each burst of the loop's work
     # stalls the step for its whole length (cluster/benchmarks/interference_bench.py).
     gil_switch_interval_s: float = 5e-5
+    # Cores this pool's engine threads run on (a Linux cpu list, "2" or "2-3", or a list of
+    # ints); () = wherever the OS puts them. Keep Ray's own processes off them by starting Ray
+    # from a process that is (`pdserve serve --engine-cpus`, or `taskset`; cluster/cpu_affinity.py).
+    engine_cpus: tuple[int, ...] = ()
     # Requests one replica works on at once; 0 = what it can really hold (its max_num_seqs).
     max_ongoing_requests: int = 0
     # Requests waiting for a replica beyond that; more are refused at once. 0 = 4x ongoing.
@@ -54,6 +59,7 @@ class PoolConfig:
             raise InvalidArgument("num_cpus, num_gpus and torch_threads must be >= 0")
         if self.max_ongoing_requests < 0 or self.max_queued_requests < 0:
             raise InvalidArgument("max_ongoing_requests and max_queued_requests must be >= 0")
+        object.__setattr__(self, "engine_cpus", parse_cpu_list(self.engine_cpus))
 
     @property
     def ongoing_limit(self) -> int:
@@ -105,6 +111,8 @@ class AppConfig:
             raise InvalidArgument("default_max_tokens and request_timeout_seconds must be > 0")
         if self.max_retries < 0:
             raise InvalidArgument("max_retries must be >= 0")
+        if self.router.engine_cpus:
+            raise InvalidArgument("engine_cpus is for the engine pools; the router has no engine")
         if self.token_stream not in ("direct", "serve"):
             raise InvalidArgument(
                 f"token_stream must be direct or serve, got {self.token_stream!r}"
@@ -169,7 +177,12 @@ def _dump(obj) -> Any:
         out = {}
         for f in fields(obj):
             v = getattr(obj, f.name)
-            out[f.name] = dict(v) if f.name in ("resources", "targets") else _dump(v)
+            if f.name in ("resources", "targets"):
+                out[f.name] = dict(v)
+            elif f.name == "engine_cpus":
+                out[f.name] = list(v)
+            else:
+                out[f.name] = _dump(v)
         return out
     return obj
 

@@ -60,6 +60,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def native_id(self) -> int:
+        """The engine thread's OS thread id (0 before it started)."""
+        return (self._thread.native_id or 0) if self._thread is not None else 0
+
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -17,6 +17,7 @@ from ray import serve
 from cluster.app import GRPC_SERVICER, build_app, default_config
 from cluster.app_config import AppConfig
 from cluster.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, AutoscalingSettings
+from cluster.cpu_affinity import format_cpu_list, parse_cpu_list, reserve_for_engines
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +34,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per engine replica")
     p.add_argument("--torch-threads", type=int, default=0)
+    p.add_argument(
+        "--engine-cpus",
+        default=None,
+        metavar="LIST",
+        help="cores for the engine threads only, e.g. 1 or 2-7; the local Ray this starts runs "
+        "on the other cores (with --address, start that cluster's Ray off them: taskset)",
+    )
     scale = p.add_argument_group("autoscaling (a pool autoscales when its max > its min)")
     for pool in ("prefill", "decode"):
         scale.add_argument(f"--{pool}-min-replicas", type=int, default=None)
@@ -52,6 +60,22 @@ def serve_main(args: argparse.Namespace) -> int:
     # A fresh local instance gets at least 4 logical CPUs, so the three deployments fit on a
     # small machine; a joined cluster keeps its own resources.
     local_cpus = None if args.address else max(4, os.cpu_count() or 1)
+    engine_cpus = parse_cpu_list(args.engine_cpus)
+    if engine_cpus and not args.address:
+        # Before Ray starts: its processes inherit this mask, the engine threads leave it.
+        rest = reserve_for_engines(engine_cpus)
+        engines = (
+            f"cores {format_cpu_list(engine_cpus)} kept for engines (the config file's pools "
+            f"must name them in engine_cpus)"
+            if args.config
+            else f"engine threads on cores {format_cpu_list(engine_cpus)}"
+        )
+        print(f"{engines}; Ray, the proxies and the router on {format_cpu_list(rest)}")
+    elif engine_cpus:
+        print(
+            f"engine threads on cores {format_cpu_list(engine_cpus)}; the joined cluster's Ray "
+            "processes may still run there unless its nodes were started off them (taskset)"
+        )
     context = ray.init(
         address=args.address,
         num_cpus=local_cpus,
@@ -92,7 +116,12 @@ def _config_from_flags(args: argparse.Namespace) -> AppConfig:
     base = default_config(args.model)
     model = replace(base.model, device=args.device, dtype=args.dtype)
     gpus = 1.0 if args.device.startswith("cuda") else 0.0
-    pool = {"num_cpus": args.replica_cpus, "num_gpus": gpus, "torch_threads": args.torch_threads}
+    pool = {
+        "num_cpus": args.replica_cpus,
+        "num_gpus": gpus,
+        "torch_threads": args.torch_threads,
+        "engine_cpus": parse_cpu_list(args.engine_cpus),
+    }
     return replace(
         base,
         model=model,

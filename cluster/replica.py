@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 
@@ -15,13 +16,17 @@ import torch
 
 from cluster.app_config import AppConfig
 from cluster.async_engine import AsyncEngine
+from cluster.cpu_affinity import engine_cores, format_cpu_list, thread_cpus
 from cluster.engine import Engine
+from cluster.engine_timing import timed_decode
+from cluster.errors import InvalidArgument, Unavailable
 from cluster.metrics import PoolMetrics
 from cluster.pool_messages import ReplicaStats
 from cluster.stats_registry import registry
 
 log = logging.getLogger(__name__)
 REPORT_INTERVAL_S = 1.0
+MAX_TIMED_TOKENS = 4096
 
 
 def replica_id() -> str:
@@ -48,8 +53,13 @@ class EngineReplica:
         sys.setswitchinterval(pool_config.gil_switch_interval_s)
         self.config = config
         self.replica_id = replica_id()
-        self.engine = AsyncEngine(Engine(config.engine_config(pool)))
-        self.engine.start()
+        # Made and started on the engine cores: the engine thread and torch's threads inherit
+        # them; this (event loop) thread gets its own mask back.
+        with engine_cores(pool_config.engine_cpus) as cores:
+            self.engine = AsyncEngine(Engine(config.engine_config(pool)))
+            self.engine.start()
+        if cores:
+            log.info("%s engine thread pinned to cores %s", pool, format_cpu_list(cores))
         self.layout = self.engine.engine.layout
         self.metrics = PoolMetrics(pool)
         self.registry = registry(config.name)
@@ -81,6 +91,29 @@ class EngineReplica:
             "queued_prompt_tokens": float(s.queued_prompt_tokens),
             "running": float(s.running),
             "kv_usage": s.kv_blocks_used / max(1, s.kv_blocks_total),
+        }
+
+    async def time_decode(self, prompt_token_ids: list[int], max_tokens: int) -> list[float]:
+        """This replica's engine alone: one batch-1 greedy generation (ignore_eos) stepped in
+        a plain loop on the engine thread, with no Serve, token stream or gRPC on its path;
+        [seconds, engine-thread CPU seconds] per output token over tokens 2..N. The serving
+        benchmark's reference (same weights in the same memory as the served runs). Other
+        requests wait while it runs, so a replica with work refuses it (UNAVAILABLE)."""
+        if not 3 <= max_tokens <= MAX_TIMED_TOKENS:
+            raise InvalidArgument(f"max_tokens must be in 3..{MAX_TIMED_TOKENS}")
+
+        def run(engine: Engine) -> list[float]:
+            if engine.has_work():
+                raise Unavailable("the engine has requests; time_decode needs an idle replica")
+            return list(timed_decode(engine, list(prompt_token_ids), max_tokens))
+
+        return await self.engine.call(run)
+
+    async def cpu_affinity(self) -> dict[str, list[int]]:
+        """The cores the engine thread and this replica's other threads may run on."""
+        return {
+            "engine": list(thread_cpus(self.engine.native_id)),
+            "replica": list(thread_cpus(threading.get_native_id())),
         }
 
     async def check_health(self) -> None:

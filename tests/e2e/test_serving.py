@@ -7,6 +7,7 @@ engine; transformers' greedy decoding on the same checkpoint is the oracle.
 from __future__ import annotations
 
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -23,6 +24,7 @@ from cluster.sampling_params import SamplingParams
 from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
 
 PD, CO = "pd", "co"
+ENGINE_CORE = (max(os.sched_getaffinity(0)),)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,13 @@ def apps(ray_serve, tokenizer_model_dir):
         PD,
         "/pd",
     )
-    deploy(replace(base, mode="colocated"), CO, "/co")
+    # The colocated engine runs on its own core (the last one), its replica's other threads
+    # wherever Ray put them.
+    deploy(
+        replace(base, mode="colocated", decode=replace(base.decode, engine_cpus=ENGINE_CORE)),
+        CO,
+        "/co",
+    )
     yield ray_serve
     serve.delete(PD)
     serve.delete(CO)
@@ -345,6 +353,17 @@ def test_bad_requests_get_documented_status_and_service_continues(apps, fields, 
     assert err.value.code() == code, err.value.details()
     msgs, _ = generate(apps, PD, prompt="ok", sampling=greedy_sampling(2))
     assert len(tokens(msgs)) == 2
+
+
+def test_the_colocated_engine_thread_runs_on_its_configured_core_only(apps):
+    from ray import serve
+
+    got = serve.get_deployment_handle("Colocated", app_name=CO).cpu_affinity.remote().result()
+    assert got["engine"] == list(ENGINE_CORE)
+    if len(os.sched_getaffinity(0)) > 1:  # the replica's own threads were not pinned with it
+        assert set(got["replica"]) > set(ENGINE_CORE)
+    pd = serve.get_deployment_handle("Decode", app_name=PD).cpu_affinity.remote().result()
+    assert pd["engine"] == pd["replica"]  # no engine_cpus: the engine thread is not pinned
 
 
 def test_model_info(apps):

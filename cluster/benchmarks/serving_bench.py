@@ -1,14 +1,16 @@
 """What serving through Ray Serve costs on top of the engine, and what moving the KV costs.
 
     python -m cluster.benchmarks.serving_bench [--out FILE] [--quick] [--grpc-port PORT]
+                                               [--engine-cpus LIST]
 
 On one checkpoint (`small` by default, `tiny` with `--quick`), fp32 on CPU (or `--device cuda
 --dtype bfloat16`: every engine replica and the baseline on GPU 0), one run prints:
 
 1. decode time per output token of a batch-1 greedy `ignore_eos` generation with a short
-   prompt: in this process (`Engine.step()` loop, same engine config, torch threads and CPU
-   priority as the replicas) and through the deployed app over Serve's gRPC proxy
-   (client-side, from the arrival times of the streamed messages), disaggregated and
+   prompt: in this process (`Engine.step()` loop, same engine config, torch threads, CPU
+   priority and, with `--engine-cpus`, cores as the replicas) and through the deployed app
+   over Serve's gRPC proxy (client-side, from the arrival times of the streamed messages),
+   disaggregated and
    colocated, with the default direct token stream, and disaggregated once more with tokens
    relayed back through the Serve handles (`token_stream: serve`, `--no-serve-relay` skips
    it). All count the steps after the second output token, so neither the prefill nor
@@ -24,6 +26,10 @@ On one checkpoint (`small` by default, `tiny` with `--quick`), fp32 on CPU (or `
    assembled K and V tensors' `nbytes`.
 3. KV transfer as a share of TTFT, from the `timing` of the final `GenerateResponse`.
 
+With `--engine-cpus LIST` the engine threads (every replica's and the baseline's) run only on
+those cores and everything else (Ray's processes, the proxies, the router, this client) only on
+the others, as `pdserve serve --engine-cpus` deploys a CPU node.
+
 Without `--grpc-port` it starts its own local Ray and Serve and shuts them down at the end;
 with it, it uses the Serve already running in this process's Ray (e.g. a test session's) and
 only deploys and deletes its own apps.
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import math
 import os
 import platform
 import random
@@ -54,7 +61,10 @@ import torch
 from cluster.app_config import AppConfig, PoolConfig
 from cluster.benchmarks.engine_bench import cpu_model, device_name
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig, TransferConfig
+from cluster.cpu_affinity import format_cpu_list, parse_cpu_list, reserve_for_engines
 from cluster.engine import Engine
+from cluster.engine_timing import timed_decode
+from cluster.errors import InvalidArgument
 from cluster.grpc_kv_client import GrpcKVClient
 from cluster.make_model import FORMAT_VERSION, make_model
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -72,6 +82,9 @@ LABELS = {
     "serve-relay": "disaggregated, tokens relayed through the Serve handles",
 }
 TTFT_TOKENS = 2  # the prefill's token, then one decode step after the KV transfer
+# The deployment whose engine decodes in each mode (its `time_decode` is the same-engine
+# reference).
+DECODING = {"disaggregated": "Decode", "colocated": "Colocated", "serve-relay": "Decode"}
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,7 @@ class BenchConfig:
     seed: int
     device: str = "cpu"
     dtype: str = "float32"
+    engine_cpus: tuple[int, ...] = ()  # engine threads here; Ray and this client elsewhere
 
 
 @dataclass
@@ -107,6 +121,9 @@ class Results:
     relay_inproc_s: list[float] = field(default_factory=list)
     relay_inproc_cpu_s: list[float] = field(default_factory=list)
     served_s: dict[str, list[float]] = field(default_factory=dict)  # mode -> per token per run
+    # mode -> per token per run of the mode's replica engine alone (`time_decode`), each run
+    # next to a served one
+    alone_s: dict[str, list[float]] = field(default_factory=dict)
     # mode -> process -> CPU seconds per output token, one value per run
     served_cpu_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     incl_transfer_s: list[float] = field(default_factory=list)  # (total - TTFT) / (N - 1)
@@ -135,7 +152,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
     )
     p.add_argument("--model-dir", type=Path, default=None, help="checkpoint dir; built if absent")
     p.add_argument("--decode-tokens", type=int, default=None, help="default 64 (12 with --quick)")
-    p.add_argument("--repeats", type=int, default=None, help="default 7 (2 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="default 15 (2 with --quick)")
     p.add_argument("--threads", type=int, default=1, help="torch threads, replicas and baseline")
     p.add_argument("--no-colocated", action="store_true", help="skip the colocated app")
     p.add_argument(
@@ -151,10 +168,26 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
         "15, which starves the replicas on a machine shared with other work); the in-process "
         "baseline always runs at the decode replica's nice value",
     )
+    p.add_argument(
+        "--engine-cpus",
+        default=None,
+        metavar="LIST",
+        help="cores for the engine threads (replicas and baseline), e.g. 1; the Ray this script "
+        "starts, its proxies, the router and the client run on the other cores "
+        "(PoolConfig.engine_cpus, as `pdserve serve --engine-cpus`)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda: engine replicas and baseline")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     a = p.parse_args(argv)
     q = a.quick
+    try:
+        engine_cpus = parse_cpu_list(a.engine_cpus)
+    except InvalidArgument as e:
+        p.error(str(e))
+    if engine_cpus and a.grpc_port:
+        p.error(
+            "--engine-cpus needs a Ray this script starts (the running one is not kept off them)"
+        )
     preset = "tiny" if q else "small"
     decode_tokens = a.decode_tokens or (12 if q else 64)
     if decode_tokens < 4:
@@ -171,7 +204,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
         decode_tokens=decode_tokens,
         short_prompt=16,
         long_prompts=long_prompts,
-        repeats=a.repeats or (2 if q else 7),
+        repeats=a.repeats or (2 if q else 15),
         fetches=2 if q else 5,
         torch_threads=a.threads,
         replica_cpus=0.25 if q else 1.0,
@@ -185,6 +218,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
         seed=0,
         device=a.device,
         dtype=a.dtype,
+        engine_cpus=engine_cpus,
     )
     return a, cfg
 
@@ -199,12 +233,13 @@ def app_config(cfg: BenchConfig) -> AppConfig:
         num_cpus=cfg.replica_cpus,
         num_gpus=GPU_SHARE if on_gpu else 0.0,
         torch_threads=cfg.torch_threads,
+        engine_cpus=cfg.engine_cpus,
         cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=cfg.chunk_tokens),
     )
     return AppConfig(
         model=ModelConfig(path=str(cfg.model_dir), dtype=cfg.dtype, device=cfg.device),
-        router=replace(pool, num_cpus=min(cfg.replica_cpus, 0.5), num_gpus=0.0),
+        router=replace(pool, num_cpus=min(cfg.replica_cpus, 0.5), num_gpus=0.0, engine_cpus=()),
         prefill=pool,
         decode=pool,
         transfer=TransferConfig(
@@ -303,22 +338,6 @@ def per_token(times: list[float]) -> float:
     return (times[-1] - times[1]) / (len(times) - 2)
 
 
-def inproc_decode(engine: Engine, prompt: list[int], n: int) -> tuple[float, float]:
-    """(seconds, CPU seconds of this thread) per output token over tokens 2..N."""
-    rid = uuid.uuid4().hex
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    engine.add_request(Request(rid, tuple(prompt), params))
-    times: list[float] = []
-    cpu: list[float] = []
-    while engine.has_work():
-        for out in engine.step():
-            now, now_cpu = time.perf_counter(), time.thread_time()
-            times.extend(now for _ in out.token_ids)
-            cpu.extend(now_cpu for _ in out.token_ids)
-    assert len(times) == n, f"in-process run made {len(times)} tokens, not {n}"
-    return per_token(times), per_token(cpu)
-
-
 @dataclass(frozen=True)
 class Stream:
     call_at: float
@@ -391,6 +410,18 @@ def make_prompt(cfg: BenchConfig, engine: Engine, n: int, salt: int = 0) -> list
     return [rng.randrange(16, engine.info.spec.vocab_size) for _ in range(n)]
 
 
+def _engine_alone(mode: str):
+    """A call timing the engine of `mode`'s decoding replica alone, in its own process."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(DECODING[mode], app_name=MODES[mode])
+
+    def call(prompt: list[int], n: int) -> float:
+        return handle.time_decode.remote(prompt, n).result()[0]
+
+    return call
+
+
 class _DecodeRuns:
     """Section 1's interleaved decode runs: in-process, then each app, `cfg.repeats` times."""
 
@@ -405,10 +436,11 @@ class _DecodeRuns:
         for m in modes:
             wait_ready(self.stub, MODES[m], self.prompt)
         # Warm-up: one full run of each, so no first-call cost lands in the numbers.
-        self.baseline.submit(inproc_decode, self.engine, self.prompt, n).result()
+        self.baseline.submit(timed_decode, self.engine, self.prompt, n).result()
         for m in modes:
             served_generate(self.stub, MODES[m], self.prompt, n)
-            res.served_s[m], res.served_cpu_s[m] = [], {}
+            res.served_s[m], res.served_cpu_s[m], res.alone_s[m] = [], {}, []
+        alone = {m: _engine_alone(m) for m in modes}
         for r in range(cfg.repeats):
             # Rotate the order (in-process first, then second, ...) so that no app always runs
             # right after the in-process engine, or right after another app.
@@ -417,11 +449,13 @@ class _DecodeRuns:
             for m in order:
                 if m is None:
                     wall, cpu = self.baseline.submit(
-                        inproc_decode, self.engine, self.prompt, n
+                        timed_decode, self.engine, self.prompt, n
                     ).result()
                     inproc.append(wall)
                     inproc_cpu.append(cpu)
                     continue
+                if r % 2:  # its replica's engine alone, before the served run or after it
+                    res.alone_s[m].append(alone[m](self.prompt, n))
                 mine = {k: pid for k, pid in procs.items() if k == "proxy" or k.startswith(m)}
                 before, client_before = cpu_seconds(mine), time.process_time()
                 s = served_generate(self.stub, MODES[m], self.prompt, n)
@@ -431,6 +465,8 @@ class _DecodeRuns:
                 cpu_per_token["client (this process)"] = (client_after - client_before) / n
                 for k, v in cpu_per_token.items():
                     res.served_cpu_s[m].setdefault(k, []).append(v)
+                if not r % 2:
+                    res.alone_s[m].append(alone[m](self.prompt, n))
                 if m == "disaggregated":
                     t = s.last.timing
                     res.incl_transfer_s.append(
@@ -440,6 +476,13 @@ class _DecodeRuns:
                 f"decode run {r + 1}/{cfg.repeats}: in-process {inproc[-1] * 1e3:.2f} ms/tok"
                 + "".join(f", {m} {res.served_s[m][-1] * 1e3:.2f}" for m in modes)
             )
+
+
+def _baseline_thread(nice: int | None, cpus: tuple[int, ...]) -> None:
+    """The baseline's thread gets the decode replica's priority and the engine cores."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    _set_thread_niceness(nice)
 
 
 def _set_thread_niceness(nice: int | None) -> None:
@@ -485,11 +528,12 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
             torch.set_num_threads(cfg.torch_threads)
         baseline = ThreadPoolExecutor(
             1,
-            initializer=_set_thread_niceness,
-            initargs=(res.niceness.get("disaggregated/Decode"),),
+            initializer=_baseline_thread,
+            initargs=(res.niceness.get("disaggregated/Decode"), cfg.engine_cpus),
         )
         res.niceness["in-process baseline"] = baseline.submit(_thread_niceness).result()
-        engine = Engine(app.engine_config("colocated"))
+        # Made on its thread, as the replicas make theirs on the engine cores.
+        engine = baseline.submit(Engine, app.engine_config("colocated")).result()
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
         short = make_prompt(cfg, engine, cfg.short_prompt)
         runs = _DecodeRuns(cfg, res, baseline, engine, stub, short)
@@ -579,6 +623,35 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
+CI_LEVEL = 0.95
+
+
+def median_ci(xs: list[float], level: float = CI_LEVEL) -> tuple[float, float, float]:
+    """Distribution-free confidence interval for the median of `xs`: the order statistics
+    x(k) and x(n+1-k) for the largest k whose coverage, 1 - 2 P(Binomial(n, 1/2) < k), is
+    still at least `level`. Returns (low, high, coverage); with too few values for `level`
+    it is (min, max) and the smaller coverage those have."""
+    ys = sorted(xs)
+    n = len(ys)
+    k, coverage = 1, 1.0 - 2.0 * 0.5**n
+    while k + 1 <= n // 2:
+        below = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n  # P(B <= k)
+        if 1.0 - 2.0 * below < level:
+            break
+        k, coverage = k + 1, 1.0 - 2.0 * below
+    return ys[k - 1], ys[n - k], coverage
+
+
+def _bounded_verdict(low: float, high: float, target: float) -> str:
+    """PASS when the whole interval is within the target, FAIL when none of it is, else the
+    runs do not tell (the noise of the machine is larger than the distance to the target)."""
+    if high <= target:
+        return "PASS"
+    if low > target:
+        return "FAIL"
+    return "NOT SHOWN"
+
+
 def render(res: Results, argv: list[str]) -> str:
     cfg, app = res.cfg, res.app
     n = cfg.decode_tokens
@@ -604,18 +677,26 @@ def render(res: Results, argv: list[str]) -> str:
         f"{-(-max(cfg.long_prompts) // cfg.chunk_tokens)} chunks); KV transport grpc, chunks "
         f"of at most {cfg.max_chunk_bytes} bytes; {cfg.repeats} repeats, medians reported",
         f"- CPU priority (nice): {nice}",
+        f"- cores: {_cores(cfg)}",
         "",
         f"## 1. Decode latency per output token (batch 1, greedy, ignore_eos, {cfg.short_prompt}-"
         f"token prompt, N = {n})",
         "",
         "Per run: mean step over output tokens 2..N (client-side message arrival times when "
-        "served), so neither prefill nor KV transfer is included. Added = median of the paired "
-        "(served − in-process) differences of interleaved runs (order rotated every repeat).",
+        "served), so neither prefill nor KV transfer is included. Two references: the decoding "
+        "replica's own engine alone (`time_decode`: the same engine, weights and process, "
+        "stepped in a plain loop with nothing of the serving path around it, run next to each "
+        "served run), and an engine of the same config in this process (interleaved, the order "
+        "rotated every repeat). Added = median of the paired (served − reference) differences. "
+        "Two engines of one config differ by themselves (where their weights landed in memory), "
+        "so the second reference carries that difference too: its row \"this process's engine "
+        "− the replica's engine\" shows it.",
         "",
         "| metric | median (ms) | runs min–max (ms) |",
         "|---|---|---|",
     ]
-    added: dict[str, float] = {}
+    added: dict[str, list[float]] = {}  # mode -> paired differences, vs this process's engine
+    added_same: dict[str, list[float]] = {}  # mode -> vs its replica's engine alone
     lines.append(f"| {ROWS[0]} | {_med(res.inproc_s) * 1e3:.2f} | {_spread(res.inproc_s)} |")
     for mode, xs in res.served_s.items():
         if not xs:
@@ -627,13 +708,25 @@ def render(res: Results, argv: list[str]) -> str:
                 f"{_spread(base)} |"
             )
         diffs = [s - i for s, i in zip(xs, base, strict=True)]
-        added[mode] = _med(diffs)
+        alone = res.alone_s[mode]
+        same = [s - a for s, a in zip(xs, alone, strict=True)]
+        added[mode] = diffs
+        added_same[mode] = same
         label = LABELS[mode]
-        lines.append(
+        lines += [
             f"| decode per token, {label}, via Serve + gRPC | {_med(xs) * 1e3:.2f} | "
-            f"{_spread(xs)} |"
+            f"{_spread(xs)} |",
+            f"| decode per token, {label}: its replica's engine alone | "
+            f"{_med(alone) * 1e3:.2f} | {_spread(alone)} |",
+            f"| added per token, {label}, vs its replica's engine alone | "
+            f"{_med(same) * 1e3:+.2f} | {_spread(same)} |",
+            f"| added per token, {label} | {_med(diffs) * 1e3:+.2f} | {_spread(diffs)} |",
+        ]
+        gap = [i - a for i, a in zip(base, alone, strict=True)]
+        lines.append(
+            f"| this process's engine − the {label} replica's engine, both alone | "
+            f"{_med(gap) * 1e3:+.2f} | {_spread(gap)} |"
         )
-        lines.append(f"| added per token, {label} | {added[mode] * 1e3:+.2f} | {_spread(diffs)} |")
     lines.append(
         f"| {ROWS[1]} | {_med(res.incl_transfer_s) * 1e3:.2f} | {_spread(res.incl_transfer_s)} |"
     )
@@ -691,14 +784,20 @@ def render(res: Results, argv: list[str]) -> str:
         "| target | measured | result |",
         "|---|---|---|",
     ]
-    for mode, value in added.items():
+    for mode in added:
         if mode == "serve-relay":  # a comparison, not the default configuration
             continue
-        lines.append(
-            f"| added latency per output token, {mode} ≤ "
-            f"{ADDED_LATENCY_TARGET_S * 1e3:.0f} ms | {value * 1e3:+.2f} ms | "
-            f"{_verdict(value <= ADDED_LATENCY_TARGET_S)} |"
-        )
+        for reference, diffs in (
+            ("its replica's engine alone", added_same[mode]),
+            ("an engine in this process", added[mode]),
+        ):
+            low, high, coverage = median_ci(diffs)
+            lines.append(
+                f"| added latency per output token, {mode}, vs {reference} ≤ "
+                f"{ADDED_LATENCY_TARGET_S * 1e3:.0f} ms | {_med(diffs) * 1e3:+.2f} ms "
+                f"({coverage:.0%} CI of the median {low * 1e3:+.2f} to {high * 1e3:+.2f}, "
+                f"{len(diffs)} pairs) | {_bounded_verdict(low, high, ADDED_LATENCY_TARGET_S)} |"
+            )
     for n_tok, (share, cons) in shares.items():
         lines.append(
             f"| KV transfer ≤ {TRANSFER_SHARE_TARGET:.0%} of TTFT, {n_tok}-token prompt "
@@ -709,6 +808,12 @@ def render(res: Results, argv: list[str]) -> str:
             f"prompt (conservative) | {cons:.1%} | {_verdict(cons <= TRANSFER_SHARE_TARGET)} |"
         )
     lines += [
+        "",
+        "An added-latency target is PASS when the whole confidence interval of the median "
+        "paired difference (distribution-free, from the order statistics) is at or under it, "
+        "FAIL when all of it is above, NOT SHOWN when it straddles the target: then this "
+        "machine's run-to-run noise is larger than the distance to the target, and more "
+        "repeats (or a quieter machine) are needed to tell.",
         "",
         "The presets' max_position_embeddings is 2048 and the context counts generated tokens: "
         "a 2047-token prompt finishes on the prefill's token (length) and moves no KV, so the "
@@ -750,6 +855,17 @@ def _cpu_table(res: Results) -> list[str]:
     return lines
 
 
+def _cores(cfg: BenchConfig) -> str:
+    if not cfg.engine_cpus:
+        return "not pinned: every process may run on every core"
+    engine = format_cpu_list(cfg.engine_cpus)
+    rest = format_cpu_list(set(range(os.cpu_count() or 1)) - set(cfg.engine_cpus))
+    return (
+        f"engine threads (replicas' and the in-process baseline's) on {engine} "
+        f"(`engine_cpus`); Ray's processes, the proxies, the router and this client on {rest}"
+    )
+
+
 def _load(x: tuple[float, float, float]) -> str:
     return " ".join(f"{v:.2f}" for v in x) + " (1, 5, 15 min)"
 
@@ -787,6 +903,8 @@ def main(argv: list[str] | None = None) -> str:
 
         # Read by the raylet this starts (it inherits our environment), so ours only.
         os.environ["RAY_worker_niceness"] = str(cfg.worker_niceness)
+        if cfg.engine_cpus:  # Ray's processes inherit the rest; the engine threads move back
+            reserve_for_engines(cfg.engine_cpus)
         # "local": always a fresh instance of our own, never someone else's cluster.
         ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning")
         try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from cluster.benchmarks import serving_bench
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
@@ -33,10 +35,15 @@ def test_quick_run_reports_every_row_with_positive_numbers(ray_serve):
 
     labels = serving_bench.LABELS.values()
     absolute = [f"decode per token, {label}, via Serve + gRPC" for label in labels]
-    for label in (*absolute, *serving_bench.ROWS):
+    alone = [f"decode per token, {label}: its replica's engine alone" for label in labels]
+    for label in (*absolute, *alone, *serving_bench.ROWS):
         assert _positive(_cells(report, label)[0]) > 0, label
-    for label in labels:  # a difference: any sign
+    for label in labels:  # differences: any sign
         _positive(_cells(report, f"added per token, {label}")[0])
+        _positive(_cells(report, f"added per token, {label}, vs its replica's engine alone")[0])
+        _positive(
+            _cells(report, f"this process's engine − the {label} replica's engine, both alone")[0]
+        )
 
     _, cfg = serving_bench.parse_args(["--quick"])
     for n_tok in cfg.long_prompts:
@@ -46,6 +53,76 @@ def test_quick_run_reports_every_row_with_positive_numbers(ray_serve):
         values = [_positive(c) for c in ttft_row.strip("|").split("|")[1:]]
         assert len(values) == 7 and all(v > 0 for v in values), ttft_row
 
-    targets = [line for line in report.splitlines() if line.endswith(("| PASS |", "| FAIL |"))]
-    assert len(targets) == 2 + 2 * len(cfg.long_prompts), targets
+    verdicts = ("| PASS |", "| FAIL |", "| NOT SHOWN |")
+    targets = [line for line in report.splitlines() if line.endswith(verdicts)]
+    assert len(targets) == 2 * 2 + 2 * len(cfg.long_prompts), targets
     assert "load average before" in report and "torch thread(s)" in report
+
+
+def test_a_replica_times_its_engine_alone_and_refuses_when_busy_or_asked_wrong(ray_serve):
+    """`time_decode` on a real replica: its numbers, its refusals, and nothing left behind."""
+    from ray import serve
+
+    from cluster.errors import InvalidArgument, Unavailable
+    from cluster.request import Request
+    from cluster.sampling_params import SamplingParams
+    from tests.ray_fixtures import deploy, small_app_config, wait_for_idle
+
+    # The serving bench's quick model is built by the smoke test above or here.
+    _, cfg = serving_bench.parse_args(["--quick"])
+    serving_bench._ensure_model(cfg)
+    deploy(small_app_config(str(cfg.model_dir), mode="colocated"), "timed", "/timed")
+    try:
+        handle = serve.get_deployment_handle("Colocated", app_name="timed")
+        wall, cpu = handle.time_decode.remote(list(range(20, 36)), 8).result()
+        assert 0 < wall < 5 and 0 < cpu < 5
+        with pytest.raises(InvalidArgument, match="max_tokens"):
+            handle.time_decode.remote([20, 21], 2).result()
+        with pytest.raises(InvalidArgument):  # the engine's own prompt check
+            handle.time_decode.remote([], 8).result()
+        # Busy: a streaming request holds the engine while time_decode asks.
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = handle.options(stream=True).generate.remote(
+            Request("busy", tuple(range(20, 36)), params)
+        )
+        next(iter(stream))
+        with pytest.raises(Unavailable, match="idle"):
+            handle.time_decode.remote(list(range(20, 36)), 8).result()
+        stream.cancel()
+        wait_for_idle(ray_serve, "timed", {"colocated"})
+    finally:
+        serve.delete("timed")
+
+
+def test_engine_cpus_reach_the_engine_pools_and_need_a_ray_of_its_own(capsys) -> None:
+    _, cfg = serving_bench.parse_args(["--quick", "--engine-cpus", "1"])
+    app = serving_bench.app_config(cfg)
+    assert (app.prefill.engine_cpus, app.decode.engine_cpus, app.router.engine_cpus) == (
+        (1,),
+        (1,),
+        (),
+    )
+    assert "engine threads" in serving_bench._cores(cfg)
+    for bad in (["--engine-cpus", "x"], ["--engine-cpus", "1", "--grpc-port", "9000"]):
+        with pytest.raises(SystemExit):
+            serving_bench.parse_args(bad)
+        assert "engine" in capsys.readouterr().err
+
+
+def test_the_median_interval_is_the_binomial_order_statistics() -> None:
+    xs = [0.5, -1.0, 3.0, 2.0, 1.0, 0.0, 4.0, 6.0, 5.0]  # sorted: -1, 0, 0.5, 1, 2, 3, 4, 5, 6
+    low, high, coverage = serving_bench.median_ci(xs)
+    # n = 9: P(B <= 1) = 10/512, so x(2)..x(8) covers 1 - 20/512 = 96.1% (x(3)..x(7): 82%)
+    assert (low, high) == (0.0, 5.0)
+    assert coverage == pytest.approx(1 - 20 / 512)
+    assert serving_bench.median_ci([3.0, 1.0]) == (1.0, 3.0, 0.5)  # too few: min..max
+    low, high, coverage = serving_bench.median_ci([float(i) for i in range(25)])
+    assert (low, high) == (7.0, 17.0) and coverage >= 0.95
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "verdict"),
+    [(-0.5e-3, 0.9e-3, "PASS"), (1.1e-3, 3e-3, "FAIL"), (0.2e-3, 2e-3, "NOT SHOWN")],
+)
+def test_an_interval_straddling_the_target_is_not_called_either_way(low, high, verdict) -> None:
+    assert serving_bench._bounded_verdict(low, high, 1e-3) == verdict

@@ -18,6 +18,7 @@ Two halves make that split:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -61,6 +62,14 @@ def parse_cpu_list(value: str | int | Iterable[int] | None) -> tuple[int, ...]:
         if not 0 <= c <= MAX_CPU:
             raise InvalidArgument(f"engine_cpus: core {c} is not in 0..{MAX_CPU}")
     return tuple(sorted(set(items)))
+
+
+def cpu_list_arg(text: str) -> tuple[int, ...]:
+    """`parse_cpu_list` as an argparse `type`: a bad list is a usage error."""
+    try:
+        return parse_cpu_list(text)
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def format_cpu_list(cpus: Iterable[int]) -> str:

@@ -37,8 +37,10 @@ def timed_decode(engine: Engine, prompt: list[int], n: int) -> tuple[float, floa
             engine.abort(rid)
     if len(times) != n:
         raise RuntimeError(f"timed run made {len(times)} tokens, not {n}")
-    return _per_token(times), _per_token(cpu)
+    return per_token(times), per_token(cpu)
 
 
-def _per_token(marks: list[float]) -> float:
+def per_token(marks: list[float]) -> float:
+    """Mean decode step from the times of output tokens 2..N (token 1 is the prefill's; when
+    served disaggregated, the gap to token 2 holds the KV transfer)."""
     return (marks[-1] - marks[1]) / (len(marks) - 2)

@@ -17,7 +17,7 @@ from ray import serve
 from cluster.app import GRPC_SERVICER, build_app, default_config
 from cluster.app_config import AppConfig
 from cluster.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, AutoscalingSettings
-from cluster.cpu_affinity import format_cpu_list, parse_cpu_list, reserve_for_engines
+from cluster.cpu_affinity import cpu_list_arg, format_cpu_list, reserve_for_engines
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +36,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=0)
     p.add_argument(
         "--engine-cpus",
-        default=None,
+        type=cpu_list_arg,
+        default=(),
         metavar="LIST",
         help="cores for the engine threads only, e.g. 1 or 2-7; the local Ray this starts runs "
         "on the other cores (with --address, start that cluster's Ray off them: taskset)",
@@ -60,7 +61,7 @@ def serve_main(args: argparse.Namespace) -> int:
     # A fresh local instance gets at least 4 logical CPUs, so the three deployments fit on a
     # small machine; a joined cluster keeps its own resources.
     local_cpus = None if args.address else max(4, os.cpu_count() or 1)
-    engine_cpus = parse_cpu_list(args.engine_cpus)
+    engine_cpus = args.engine_cpus
     if engine_cpus and not args.address:
         # Before Ray starts: its processes inherit this mask, the engine threads leave it.
         rest = reserve_for_engines(engine_cpus)
@@ -120,7 +121,7 @@ def _config_from_flags(args: argparse.Namespace) -> AppConfig:
         "num_cpus": args.replica_cpus,
         "num_gpus": gpus,
         "torch_threads": args.torch_threads,
-        "engine_cpus": parse_cpu_list(args.engine_cpus),
+        "engine_cpus": args.engine_cpus,
     }
     return replace(
         base,

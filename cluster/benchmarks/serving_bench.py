@@ -61,10 +61,9 @@ import torch
 from cluster.app_config import AppConfig, PoolConfig
 from cluster.benchmarks.engine_bench import cpu_model, device_name
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig, TransferConfig
-from cluster.cpu_affinity import format_cpu_list, parse_cpu_list, reserve_for_engines
+from cluster.cpu_affinity import cpu_list_arg, format_cpu_list, reserve_for_engines
 from cluster.engine import Engine
-from cluster.engine_timing import timed_decode
-from cluster.errors import InvalidArgument
+from cluster.engine_timing import per_token, timed_decode
 from cluster.grpc_kv_client import GrpcKVClient
 from cluster.make_model import FORMAT_VERSION, make_model
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -170,7 +169,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
     )
     p.add_argument(
         "--engine-cpus",
-        default=None,
+        type=cpu_list_arg,
+        default=(),
         metavar="LIST",
         help="cores for the engine threads (replicas and baseline), e.g. 1; the Ray this script "
         "starts, its proxies, the router and the client run on the other cores "
@@ -180,11 +180,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     a = p.parse_args(argv)
     q = a.quick
-    try:
-        engine_cpus = parse_cpu_list(a.engine_cpus)
-    except InvalidArgument as e:
-        p.error(str(e))
-    if engine_cpus and a.grpc_port:
+    if a.engine_cpus and a.grpc_port:
         p.error(
             "--engine-cpus needs a Ray this script starts (the running one is not kept off them)"
         )
@@ -218,7 +214,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig]
         seed=0,
         device=a.device,
         dtype=a.dtype,
-        engine_cpus=engine_cpus,
+        engine_cpus=a.engine_cpus,
     )
     return a, cfg
 
@@ -330,12 +326,6 @@ def niceness(pid: int) -> int | None:
 
 
 # -- measurements ------------------------------------------------------------------------------
-
-
-def per_token(times: list[float]) -> float:
-    """Mean decode step from the arrival times of output tokens 2..N (token 1 is the prefill's;
-    the gap to token 2 holds the KV transfer in disaggregated mode)."""
-    return (times[-1] - times[1]) / (len(times) - 2)
 
 
 @dataclass(frozen=True)

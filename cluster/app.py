@@ -9,6 +9,7 @@ stays free of imports of the role packages.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from ray import serve
@@ -32,6 +33,22 @@ GRPC_SERVICER = "cluster.pb.pdserve.v1.generation_pb2_grpc.add_GenerationService
 # engine has its own thread), so they run on Serve's main loop. Measured with
 # `serving_bench --quick` on 2 cores: 9.1 -> 5.7 ms per streamed token.
 REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# How Serve's proxies reach the router, read by each proxy process when it starts, so it must
+# be in the environment of the node's Ray (`ray start`), not of a deployment. By default a proxy
+# calls the router as a Ray actor and every streamed token becomes a Ray object reported through
+# the core workers of both processes; with this the proxy calls the router's replica over the
+# gRPC server every Serve replica runs anyway. Measured with `serving_bench` (5 pairs each, on
+# 2 cores): router 3.59 -> 2.97 and proxy 3.44 -> 2.81 ms of CPU per streamed token.
+NODE_ENV_VARS = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+
+
+def apply_node_env() -> dict[str, str]:
+    """Put `NODE_ENV_VARS` into this process's environment, which a Ray started from here
+    (`ray.init` without an address) passes to all its processes; a value already set wins.
+    Returns the values in effect."""
+    for key, value in NODE_ENV_VARS.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in NODE_ENV_VARS}
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:

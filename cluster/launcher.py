@@ -14,7 +14,7 @@ import ray
 import yaml
 from ray import serve
 
-from cluster.app import GRPC_SERVICER, build_app, default_config
+from cluster.app import GRPC_SERVICER, apply_node_env, build_app, default_config
 from cluster.app_config import AppConfig
 from cluster.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, AutoscalingSettings
 from cluster.cpu_affinity import cpu_list_arg, format_cpu_list, reserve_for_engines
@@ -77,6 +77,8 @@ def serve_main(args: argparse.Namespace) -> int:
             f"engine threads on cores {format_cpu_list(engine_cpus)}; the joined cluster's Ray "
             "processes may still run there unless its nodes were started off them (taskset)"
         )
+    if not args.address:  # a joined cluster's nodes get NODE_ENV_VARS from `ray start`
+        apply_node_env()
     context = ray.init(
         address=args.address,
         num_cpus=local_cpus,

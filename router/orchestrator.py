@@ -227,20 +227,23 @@ class Orchestrator:
 
     async def _direct(self, request_id: str, method, payload) -> AsyncIterator[WorkerChunk]:
         """Call a worker's `*_to` method and yield the chunks it sends to this router's token
-        server, until the last one. Closing early cancels the call (the worker aborts)."""
+        server, until the last one. Closing early cancels the call (the worker aborts); after
+        the last chunk the call is left to return by itself (the worker is finishing it)."""
         sub = self.tokens.subscribe(request_id)
         response = method.remote(payload, sub.route)
         call = asyncio.ensure_future(_transient_as_unavailable(response))
         sub.watch(call)
+        finished = False
         try:
-            while True:
+            while not finished:
                 chunk = await sub.next()
+                finished = chunk.output.finished
                 yield chunk
-                if chunk.output.finished:
-                    return
         finally:
             sub.close()
-            if not call.done():
+            # The stream has carried the call's outcome already; nobody awaits it any more.
+            call.add_done_callback(_outcome_seen)
+            if not finished and not call.done():
                 response.cancel()
                 call.cancel()
 
@@ -249,6 +252,11 @@ class Orchestrator:
             self._registry = registry(self.config.name)
         replicas = await self._registry.list.remote()
         return replicas, await pool_statuses(self.config, app_name, replicas)
+
+
+def _outcome_seen(call: asyncio.Future) -> None:
+    if not call.cancelled():
+        call.exception()  # marks it retrieved: no "Task exception was never retrieved"
 
 
 async def _transient_as_unavailable(call):

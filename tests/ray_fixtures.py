@@ -48,8 +48,9 @@ def ray_serve() -> Iterator[ServeEndpoints]:
     import ray
     from ray import serve
 
-    from cluster.app import GRPC_SERVICER
+    from cluster.app import GRPC_SERVICER, apply_node_env
 
+    apply_node_env()  # the proxies reach the routers as `pdserve serve` deploys them
     # Short metric push intervals so autoscaling and stats react within a test's time.
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")

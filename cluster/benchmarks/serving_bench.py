@@ -129,6 +129,7 @@ class Results:
     fetch: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # len -> (B, s)
     ttft: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # len -> timings
     niceness: dict[str, int] = field(default_factory=dict)  # process -> nice
+    proxy_env: dict[str, str] | None = None  # node_env of the proxy; None: not found
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     started: str = ""
@@ -316,6 +317,19 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
         except (OSError, ValueError, IndexError):
             continue
     return out
+
+
+def node_env(pid: int) -> dict[str, str]:
+    """The `cluster.app.NODE_ENV_VARS` keys set in process `pid`'s environment (`RAY_SERVE_PROXY_
+    USE_GRPC=1` in the proxy: it reaches the router over gRPC, not by Ray actor calls)."""
+    from cluster.app import NODE_ENV_VARS
+
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0"))
+    return {k: v for k, _, v in pairs if k in NODE_ENV_VARS}
 
 
 def niceness(pid: int) -> int | None:
@@ -514,6 +528,7 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
             serve.run(build_app(apps[m]), name=MODES[m], route_prefix=f"/{MODES[m]}")
         procs = serving_processes()
         res.niceness = {k: v for k, pid in procs.items() if (v := niceness(pid)) is not None}
+        res.proxy_env = node_env(procs["proxy"]) if "proxy" in procs else None
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         baseline = ThreadPoolExecutor(
@@ -667,6 +682,7 @@ def render(res: Results, argv: list[str]) -> str:
         f"{-(-max(cfg.long_prompts) // cfg.chunk_tokens)} chunks); KV transport grpc, chunks "
         f"of at most {cfg.max_chunk_bytes} bytes; {cfg.repeats} repeats, medians reported",
         f"- CPU priority (nice): {nice}",
+        f"- proxy to router: {_proxy_transport(res.proxy_env)}",
         f"- cores: {_cores(cfg)}",
         "",
         f"## 1. Decode latency per output token (batch 1, greedy, ignore_eos, {cfg.short_prompt}-"
@@ -856,6 +872,14 @@ def _cores(cfg: BenchConfig) -> str:
     )
 
 
+def _proxy_transport(env: dict[str, str] | None) -> str:
+    if env is None:
+        return "not read (this script did not start the Ray it uses)"
+    if env.get("RAY_SERVE_PROXY_USE_GRPC") == "1":
+        return "over gRPC to the router's replica (RAY_SERVE_PROXY_USE_GRPC=1 in the proxy)"
+    return "Ray actor calls (RAY_SERVE_PROXY_USE_GRPC not 1 in the proxy)"
+
+
 def _load(x: tuple[float, float, float]) -> str:
     return " ".join(f"{v:.2f}" for v in x) + " (1, 5, 15 min)"
 
@@ -889,8 +913,9 @@ def main(argv: list[str] | None = None) -> str:
         import ray
         from ray import serve
 
-        from cluster.app import GRPC_SERVICER
+        from cluster.app import GRPC_SERVICER, apply_node_env
 
+        apply_node_env()  # as `pdserve serve` starts its local Ray
         # Read by the raylet this starts (it inherits our environment), so ours only.
         os.environ["RAY_worker_niceness"] = str(cfg.worker_niceness)
         if cfg.engine_cpus:  # Ray's processes inherit the rest; the engine threads move back

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from cluster.app import NODE_ENV_VARS, apply_node_env
 from cluster.cli import main
 from cluster.config import EngineConfig, ModelConfig
 from cluster.engine import Engine
@@ -46,3 +47,13 @@ def test_generate_local_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main([*args, "--temperature", "-1"]) == 2
     err = capsys.readouterr().err
     assert "INVALID_ARGUMENT" in err and "temperature" in err
+
+
+def test_node_env_is_set_for_a_ray_started_here_unless_already_set(monkeypatch):
+    assert NODE_ENV_VARS["RAY_SERVE_PROXY_USE_GRPC"] == "1"
+    for key in NODE_ENV_VARS:
+        monkeypatch.delenv(key, raising=False)
+    assert apply_node_env() == NODE_ENV_VARS
+    for key in NODE_ENV_VARS:
+        monkeypatch.setenv(key, "0")  # the user's own choice wins
+    assert apply_node_env() == dict.fromkeys(NODE_ENV_VARS, "0")

@@ -57,6 +57,8 @@ def test_quick_run_reports_every_row_with_positive_numbers(ray_serve):
     targets = [line for line in report.splitlines() if line.endswith(verdicts)]
     assert len(targets) == 2 * 2 + 2 * len(cfg.long_prompts), targets
     assert "load average before" in report and "torch thread(s)" in report
+    # The session's Ray was started as `pdserve serve` starts one: its proxy has NODE_ENV_VARS.
+    assert "proxy to router: over gRPC to the router's replica" in report
 
 
 def test_a_replica_times_its_engine_alone_and_refuses_when_busy_or_asked_wrong(ray_serve):

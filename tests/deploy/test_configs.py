@@ -87,6 +87,32 @@ def test_ray_up_config_passes_rays_schema(path: Path):
     for flag in ("--head", "--dashboard-host", "--metrics-export-port"):
         assert flag in start
     assert serve_config_of(config).is_file()
+    check_node_env(config)
+
+
+def check_node_env(config: dict[str, Any]) -> None:
+    """Every `ray start` of every node sets cluster.app.NODE_ENV_VARS (the proxies read them)."""
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[key] if "ray start" in c]
+        assert starts, f"{key}: no ray start"
+        for command in starts:
+            for var, value in cluster.app.NODE_ENV_VARS.items():
+                assert f"{var}={value} ray start" in command, f"{key}: {var} not set"
+
+
+def test_node_env_check_fails_when_a_worker_starts_without_it():
+    broken = load(DEPLOY / "aws" / "cluster.yaml")
+    broken["worker_start_ray_commands"] = [
+        c.replace("RAY_SERVE_PROXY_USE_GRPC=1 ", "") for c in broken["worker_start_ray_commands"]
+    ]
+    with pytest.raises(AssertionError, match="worker_start_ray_commands"):
+        check_node_env(broken)
+
+
+def test_the_image_sets_the_node_env_for_every_ray_process():
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    for var, value in cluster.app.NODE_ENV_VARS.items():
+        assert re.search(rf"^ENV {var}={value}$", dockerfile, re.M), var
 
 
 def _break_resource(c):

@@ -43,6 +43,7 @@ class FakePools:
     decode_plan: list[str] = field(default_factory=list)  # per attempt: "ok", "fail-early", ...
     prefill_calls: int = 0
     decode_calls: int = 0
+    worker_calls: list[asyncio.Task] = field(default_factory=list)  # the direct relay's
 
     @property
     def prefill(self):
@@ -53,12 +54,16 @@ class FakePools:
         pools = self
 
         class D:
-            decode_to = _Remote(lambda req, route: asyncio.ensure_future(pools._to(req, route)))
+            decode_to = _Remote(lambda req, route: pools._call_to(req, route))
 
             def options(self, stream: bool):
                 return type("S", (), {"decode": _Remote(pools._decode)})()
 
         return D()
+
+    def _call_to(self, decode_request, route) -> asyncio.Task:
+        self.worker_calls.append(asyncio.ensure_future(self._to(decode_request, route)))
+        return self.worker_calls[-1]
 
     async def _to(self, decode_request, route):
         """The direct relay's worker call: the same plan, sent through a real TokenSender."""
@@ -75,6 +80,8 @@ class FakePools:
                 if not c.output.finished:
                     await asyncio.sleep(0.2)  # let the router take it before a planned failure
             await sink.done
+            # A real handle call returns a moment after its last chunk went out.
+            await asyncio.sleep(0.05)
         finally:
             sender.close()
 
@@ -119,7 +126,8 @@ def relay(request) -> str:
     return request.param
 
 
-def run(pools: FakePools, relay: str) -> list:
+def run(pools: FakePools, relay: str, take: int | None = None) -> list:
+    """The chunks of one request; with `take`, the client stops reading after that many."""
     spec = ArchSpec(
         512, 64, 128, 2, 4, 2, 8, 1e-5, 256, {}, False, False, False, False, False, None
     )
@@ -134,8 +142,16 @@ def run(pools: FakePools, relay: str) -> list:
         orch.kv_client = NoRelease()
         params = SamplingParams(max_tokens=3, temperature=0.0)
         request = orch.build_request(None, [1, 2, 3], params, "r1")
+        got = []
+        stream = orch.generate(request)
         try:
-            return [c async for c in orch.generate(request)]
+            async for c in stream:
+                got.append(c)
+                if len(got) == take:
+                    break
+            await stream.aclose()
+            await asyncio.gather(*pools.worker_calls, return_exceptions=True)
+            return got
         finally:
             if tokens is not None:
                 assert not tokens._subs  # every subscription was closed
@@ -174,3 +190,17 @@ def test_retries_are_bounded(relay):
     with pytest.raises(Unavailable):
         run(pools, relay)
     assert pools.prefill_calls == 3
+
+
+def test_a_finished_direct_stream_leaves_the_worker_call_to_return_by_itself():
+    pools = FakePools(decode_plan=["ok"])
+    assert tokens(run(pools, "direct")) == [7, 8, 9]
+    (call,) = pools.worker_calls
+    assert not call.cancelled() and call.exception() is None
+
+
+def test_a_direct_stream_the_client_leaves_cancels_the_worker_call():
+    pools = FakePools(decode_plan=["ok"])
+    assert tokens(run(pools, "direct", take=2)) == [7, 8]
+    (call,) = pools.worker_calls
+    assert call.cancelled()

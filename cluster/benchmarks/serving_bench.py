@@ -81,6 +81,10 @@ LABELS = {
     "serve-relay": "disaggregated, tokens relayed through the Serve handles",
 }
 TTFT_TOKENS = 2  # the prefill's token, then one decode step after the KV transfer
+# Section 3's runs per prompt length: `repeats`, at most this many. The KV share varies little
+# from run to run; many repeats are for section 1's paired differences, and a 2046-token run
+# takes seconds on a CPU.
+TTFT_RUNS_MAX = 15
 # The deployment whose engine decodes in each mode (its `time_decode` is the same-engine
 # reference).
 DECODING = {"disaggregated": "Decode", "colocated": "Colocated", "serve-relay": "Decode"}
@@ -560,7 +564,7 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
             # A new prompt every run: a repeated one would be served from the prefix cache.
             prompts = [
                 make_prompt(cfg, engine, n_tok, salt=7 * n_tok + 1000 * r)
-                for r in range(cfg.repeats + 1)
+                for r in range(min(cfg.repeats, TTFT_RUNS_MAX) + 1)
             ]
             served_generate(stub, APP, prompts[0], TTFT_TOKENS)  # warm-up at this length
             res.ttft[n_tok] = []
@@ -763,7 +767,8 @@ def render(res: Results, argv: list[str]) -> str:
         "not inside TTFT; the conservative share divides by TTFT + transfer. Client TTFT is "
         "from the call to the first message; the 1st→2nd token gap is what the client sees of "
         "the transfer (plus the decode hop and one decode step). Every run sends a prompt of "
-        "its own, so none is served from the prefix cache.",
+        f"its own, so none is served from the prefix cache. Medians of "
+        f"{min(cfg.repeats, TTFT_RUNS_MAX)} runs per length after a warm-up.",
         "",
         "| prompt tokens | client TTFT (ms) | server TTFT (ms) | prefill (ms) | KV transfer (ms) "
         "| 1st→2nd token gap (ms) | KV transfer / TTFT | KV transfer / (TTFT + transfer) |",

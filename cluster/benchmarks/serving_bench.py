@@ -113,6 +113,11 @@ class BenchConfig:
     dtype: str = "float32"
     engine_cpus: tuple[int, ...] = ()  # engine threads here; Ray and this client elsewhere
 
+    @property
+    def ttft_runs(self) -> int:
+        """Section 3's timed runs per prompt length."""
+        return min(self.repeats, TTFT_RUNS_MAX)
+
 
 @dataclass
 class Results:
@@ -564,7 +569,7 @@ def run(grpc_port: int, cfg: BenchConfig) -> Results:
             # A new prompt every run: a repeated one would be served from the prefix cache.
             prompts = [
                 make_prompt(cfg, engine, n_tok, salt=7 * n_tok + 1000 * r)
-                for r in range(min(cfg.repeats, TTFT_RUNS_MAX) + 1)
+                for r in range(cfg.ttft_runs + 1)
             ]
             served_generate(stub, APP, prompts[0], TTFT_TOKENS)  # warm-up at this length
             res.ttft[n_tok] = []
@@ -768,7 +773,7 @@ def render(res: Results, argv: list[str]) -> str:
         "from the call to the first message; the 1st→2nd token gap is what the client sees of "
         "the transfer (plus the decode hop and one decode step). Every run sends a prompt of "
         f"its own, so none is served from the prefix cache. Medians of "
-        f"{min(cfg.repeats, TTFT_RUNS_MAX)} runs per length after a warm-up.",
+        f"{cfg.ttft_runs} runs per length after a warm-up.",
         "",
         "| prompt tokens | client TTFT (ms) | server TTFT (ms) | prefill (ms) | KV transfer (ms) "
         "| 1st→2nd token gap (ms) | KV transfer / TTFT | KV transfer / (TTFT + transfer) |",

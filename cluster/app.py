@@ -26,7 +26,7 @@ ROLE_CLASSES = {
 }
 # A replica being removed gets this long to finish its streams and hand over its KV leases.
 GRACEFUL_SHUTDOWN_S = 30.0
-GRPC_SERVICER = "cluster.pb.pdserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"
+GRPC_SERVICER = "router.grpc_ingress.add_generation_servicer"
 # How Serve runs every pdserve replica. By default Serve runs a replica's methods on a second
 # event loop in a thread of its own, and each streamed item then crosses threads twice more
 # under the GIL that the engine thread also needs; pdserve's replica methods never block (the

@@ -38,6 +38,7 @@ class EngineStats:
     waiting: int
     held: int
     queued_prompt_tokens: int  # prompt tokens waiting for prefill
+    generated_tokens: int  # tokens sampled by this engine since it was made
 
 
 class Engine:
@@ -68,6 +69,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StepOutput] = []
+        self.generated_tokens = 0
 
     # -- admission -------------------------------------------------------------------------
 
@@ -144,6 +146,7 @@ class Engine:
             tokens, logprobs = self.runner.run(plan.scheduled)
             self.scheduler.computed(plan.scheduled)
             sampling = [s for s in plan.scheduled if s.samples]
+            self.generated_tokens += len(sampling)
             for s, token, lp in zip(sampling, tokens, logprobs, strict=True):
                 outputs.append(self._append(s.seq, token, lp))
         return outputs
@@ -241,6 +244,7 @@ class Engine:
             held=len(held),
             queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
             + sum(s.num_uncomputed_tokens for s in self.scheduler.running if not s.in_decode),
+            generated_tokens=self.generated_tokens,
         )
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:

@@ -132,6 +132,7 @@ def print_status(target: str, application: str | None = None) -> int:
         "running",
         "waiting",
         "queued",
+        "generated",
     )
     rows = [
         (
@@ -144,6 +145,7 @@ def print_status(target: str, application: str | None = None) -> int:
             r.running,
             r.waiting,
             r.queued_prompt_tokens,
+            r.generated_tokens,
         )
         for r in stats.replicas
     ]

@@ -60,4 +60,5 @@ class ReplicaStats:
     waiting: int
     queued_prompt_tokens: int
     kv_blocks_cached: int = 0
+    generated_tokens: int = 0
     updated_at: float = 0.0

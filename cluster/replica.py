@@ -78,6 +78,7 @@ class EngineReplica:
             running=s.running,
             waiting=s.waiting,
             queued_prompt_tokens=s.queued_prompt_tokens,
+            generated_tokens=s.generated_tokens,
             updated_at=time.time(),
         )
 

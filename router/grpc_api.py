@@ -120,6 +120,7 @@ def stats_to_proto(stats: list[ReplicaStats], pools: list[PoolStatus]) -> pb.Clu
                 waiting=s.waiting,
                 queued_prompt_tokens=s.queued_prompt_tokens,
                 kv_blocks_cached=s.kv_blocks_cached,
+                generated_tokens=s.generated_tokens,
             )
             for s in stats
         ],

@@ -31,6 +31,7 @@ def test_export_import_matches_colocated_and_oracle(arch, length, model_dir, mak
     first = prefill(a, Request("r", ids, params, prefill_only=True))
     stats = a.stats()
     assert (stats.held, stats.kv_blocks_held) == (1, -(-length // 4))
+    assert stats.generated_tokens == 1  # chunked or not, the prompt samples one token
     kv = a.export_kv("r")
     assert kv.num_tokens == length
     b.import_kv(Request("r", ids, params), kv, first)
@@ -39,6 +40,8 @@ def test_export_import_matches_colocated_and_oracle(arch, length, model_dir, mak
     assert out["r"].finish_reason == "length"
     assert out["other"].finish_reason == "length"
     tokens = [first, *out["r"].token_ids]
+    # "other" sampled all its tokens here; "r" all but the prefill's
+    assert b.stats().generated_tokens == 2 * NEW_TOKENS - 1
 
     want = run_to_completion(colocated, [Request("r", ids, params)])["r"].token_ids
     assert tokens == want

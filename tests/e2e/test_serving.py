@@ -18,6 +18,7 @@ import pytest
 
 from cluster.errors import FailedPrecondition, Unauthenticated, Unavailable
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.pool_messages import DecodeRequest
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
@@ -136,6 +137,32 @@ def test_a_client_cancelling_mid_stream_frees_everything(apps, app):
     wait_for_idle(apps, app, {"prefill", "decode"} if app == PD else {"colocated"})
     msgs, _ = generate(apps, app, prompt="still serving", sampling=greedy_sampling(4))
     assert len(tokens(msgs)) == 4
+
+
+@pytest.mark.parametrize("app", [PD, CO])
+def test_a_client_that_stops_reading_then_cancels_stops_the_generation(apps, app):
+    """The client reads one message and stops reading; with a small receive window the proxy
+    is soon waiting in a write to it when the client cancels. Serve's own proxy handler loses
+    that cancel (router/grpc_ingress.py): the generation would run to max_tokens. The replicas'
+    token counters show where it stopped."""
+    pools = {"prefill", "decode"} if app == PD else {"colocated"}
+    before = sum(r.generated_tokens for r in wait_for_idle(apps, app, pools))
+    max_tokens = 1900  # the tiny model's context is 2048
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    with grpc.insecure_channel(apps.grpc_target, options=options) as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(
+            pb.GenerateRequest(prompt="read me slowly", sampling=greedy_sampling(max_tokens)),
+            metadata=app_metadata(app),
+        )
+        assert next(call).token_ids
+        time.sleep(1.0)
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in call:
+                pass
+        assert e.value.code() == grpc.StatusCode.CANCELLED
+    generated = sum(r.generated_tokens for r in wait_for_idle(apps, app, pools)) - before
+    assert 0 < generated < max_tokens
 
 
 def test_openai_client_completions_and_chat(apps, tokenizer_model_dir, hf):
@@ -393,7 +420,7 @@ def test_cli_generate_and_status_against_the_cluster(apps, capsys):
     wait_for_idle(apps, PD, {"prefill", "decode"})
     assert main(["status", *target]) == 0
     table = capsys.readouterr().out
-    for word in ("prefill", "decode", "Prefill", "Decode", "kv used", "kv cached"):
+    for word in ("prefill", "decode", "Prefill", "Decode", "kv used", "kv cached", "generated"):
         assert word in table
     assert main(["generate", *target, "--prompt-token-ids", "999999"]) == 2
     assert "INVALID_ARGUMENT" in capsys.readouterr().err

@@ -3,23 +3,20 @@
 on every node.
 
 It registers the generated service like `add_GenerationServicer_to_server`, with one change to
-the streaming handlers the proxy makes for it. The proxy's handler forwards the router's
-messages one at a time and yields each to grpc while its call to the router waits at the
-`yield`. When the client cancels during a write, grpc abandons the handler there, and the
-proxy (Ray 2.60, `gRPCProxy.send_request_to_replica`) swallows the `GeneratorExit` without
-cancelling the call: the router, and the worker behind it, went on generating to `max_tokens`
-with the request's KV blocks held. Here the proxy's handler runs in a task of its own that
-only ever waits for the router; its messages reach grpc through a queue. However the client
-leaves (cancelled while waiting, or closed after a write), the task is cancelled while it
-waits on the router, which is where the proxy does cancel the call.
-
-The queue is unbounded: a client that reads slower than tokens come keeps them in the proxy
-(tens of bytes each, at most `max_tokens` of them per stream) instead of pausing the router.
+the streaming handlers the proxy makes for it. The proxy's handler (Ray 2.60,
+`gRPCProxy.send_request_to_replica`) cancels its call to the router when it is cancelled while
+it waits for the router's next message. When the client cancels while the proxy writes a
+message to it, grpc abandons the handler at its `yield` instead and closes it later; the proxy
+swallows that `GeneratorExit` without cancelling the call, and the router, and the worker
+behind it, went on generating to `max_tokens` with the request's KV blocks held. Here a handler
+closed at a `yield` is resumed once more and cancelled at its next wait, where the proxy does
+cancel the call. Messages pass straight through (one generator frame more, no task switch).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -27,7 +24,6 @@ from typing import Any
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 StreamHandler = Callable[[Any, Any], AsyncIterator[Any]]  # (request, context) -> messages
-_END = object()
 
 
 def add_generation_servicer(servicer: Any, server: Any) -> None:
@@ -52,28 +48,44 @@ def add_generation_servicer(servicer: Any, server: Any) -> None:
 
 
 def detach_stream(handler: StreamHandler) -> StreamHandler:
-    """A server-streaming handler that yields what `handler` yields, with `handler` run in a
-    task of its own so that it never waits at a `yield`. Leaving the returned stream, by
-    cancellation or by `aclose`, cancels that task; an error `handler` raises is raised here
-    after the messages before it. `handler` sees the servicer context through a
-    `DetachableContext`, detached when the stream is left: the RPC may be over by the time the
-    task has wound down, and grpc's call behind the real context is gone then."""
+    """A server-streaming handler that yields what `handler` yields and makes sure that
+    leaving the stream reaches `handler` as a cancellation while it waits for its next message.
+    Cancelled while waiting, `handler` is cancelled there already; closed at a `yield` (grpc
+    abandoned it in a write), `handler` is resumed in a task of its own, which is cancelled
+    at its first wait. `handler` sees the servicer context through a `DetachableContext`,
+    detached when the stream is left at a `yield`: by then grpc may have ended the RPC and
+    freed the call behind the real context."""
 
     async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-        queue: asyncio.Queue = asyncio.Queue()
         seen_by_handler = DetachableContext(context)
-        task = asyncio.create_task(_pump(handler(request, seen_by_handler), queue))
+        messages = handler(request, seen_by_handler)
+        at_yield = False
         try:
-            while (message := await queue.get()) is not _END:
+            async for message in messages:
+                at_yield = True
                 yield message
+                at_yield = False
         finally:
-            if not task.done():
+            if at_yield:
                 seen_by_handler.detach()
-                task.cancel()
-            task.add_done_callback(_seen)
-        task.result()
+                await _cancel_at_next_wait(messages)
 
     return stream
+
+
+async def _cancel_at_next_wait(messages: AsyncIterator[Any]) -> None:
+    """Resume `messages` from its `yield` and cancel it once it waits. A message it yields
+    without waiting is dropped (the client is gone), and it is resumed again."""
+    while True:
+        step = asyncio.ensure_future(messages.__anext__())
+        await asyncio.sleep(0)  # the step runs up to its first wait, or to its end
+        if not step.done():
+            step.cancel()
+            with contextlib.suppress(BaseException):
+                await step
+            return
+        if step.cancelled() or step.exception() is not None:
+            return  # ended (StopAsyncIteration) or failed: nothing left running
 
 
 class DetachableContext:
@@ -101,18 +113,3 @@ class DetachableContext:
 
 def _inert(*_args: Any, **_kwargs: Any) -> None:
     return None
-
-
-async def _pump(messages: AsyncIterator[Any], queue: asyncio.Queue) -> None:
-    try:
-        async for message in messages:
-            queue.put_nowait(message)
-    except asyncio.CancelledError:
-        return  # the client left; `messages` has seen the cancellation and ended its call
-    finally:
-        queue.put_nowait(_END)
-
-
-def _seen(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()  # nobody reads the stream any more: no "never retrieved" warning

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -51,6 +52,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.step_count = 0
+        self.step_cpu_s = 0.0  # the engine thread's CPU time inside `Engine.step`
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume outputs."""
@@ -64,6 +66,14 @@ class AsyncEngine:
     def native_id(self) -> int:
         """The engine thread's OS thread id (0 before it started)."""
         return (self._thread.native_id or 0) if self._thread is not None else 0
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        """(all, inside `Engine.step`) CPU seconds of the engine thread since it started; the
+        difference is the loop's own work (commands, handing outputs to sinks and queues)."""
+        if self._thread is None or self._thread.ident is None:
+            return 0.0, 0.0
+        clock = time.pthread_getcpuclockid(self._thread.ident)
+        return time.clock_gettime(clock), self.step_cpu_s
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -157,11 +167,14 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            began = time.thread_time()
             try:
                 outputs = self.engine.step()
             except BaseException as exc:  # a bug in the step: fail every stream, keep serving
                 self._fail_all(exc)
                 continue
+            finally:
+                self.step_cpu_s += time.thread_time() - began
             self.step_count += 1
             if outputs and self._sinks:
                 outputs = self._to_sinks(outputs)

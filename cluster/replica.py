@@ -110,6 +110,15 @@ class EngineReplica:
 
         return await self.engine.call(run)
 
+    async def engine_thread_id(self) -> int:
+        """The engine thread's OS thread id, for readings of /proc/PID/task/TID on this node
+        (the serving benchmark's scheduler accounting of served runs)."""
+        return self.engine.native_id
+
+    async def engine_cpu(self) -> list[float]:
+        """[all, inside `Engine.step`] CPU seconds of the engine thread since it started."""
+        return list(self.engine.cpu_seconds())
+
     async def cpu_affinity(self) -> dict[str, list[int]]:
         """The cores the engine thread and this replica's other threads may run on."""
         return {

@@ -51,6 +51,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -132,6 +133,13 @@ class Results:
     # mode -> per token per run of the mode's replica engine alone (`time_decode`), each run
     # next to a served one
     alone_s: dict[str, list[float]] = field(default_factory=dict)
+    alone_cpu_s: dict[str, list[float]] = field(default_factory=dict)  # its thread CPU time
+    # mode -> per served run: the decoding engine thread's (on CPU, waiting for a CPU, off CPU
+    # otherwise) seconds per output token over tokens 2..N
+    engine_thread_s: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    # mode -> per served run: the engine thread's CPU seconds per output token outside
+    # `Engine.step` (its loop's own work: commands, the KV import, handing outputs on)
+    loop_cpu_s: dict[str, list[float]] = field(default_factory=dict)
     # mode -> process -> CPU seconds per output token, one value per run
     served_cpu_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     incl_transfer_s: list[float] = field(default_factory=list)  # (total - TTFT) / (N - 1)
@@ -352,24 +360,49 @@ def niceness(pid: int) -> int | None:
 
 
 @dataclass(frozen=True)
+class ThreadTimes:
+    """One reading of a thread's scheduler accounting (/proc/PID/task/TID/schedstat): time on
+    a CPU and time runnable but waiting for one, since the thread started."""
+
+    on_cpu_s: float
+    runqueue_s: float
+
+    @staticmethod
+    def read(pid: int, tid: int) -> ThreadTimes | None:
+        try:
+            on_cpu, waiting, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+        except (OSError, ValueError):
+            return None
+        return ThreadTimes(int(on_cpu) / 1e9, int(waiting) / 1e9)
+
+
+@dataclass(frozen=True)
 class Stream:
     call_at: float
     token_times: list[float]  # arrival time of each token (messages carry one token each)
     last: pb.GenerateResponse
+    # `clock`'s readings when token 2 and token N arrived
+    marks: tuple[ThreadTimes | None, ThreadTimes | None] | None = None
 
 
-def served_generate(stub, app: str, prompt: list[int], n: int) -> Stream:
+def served_generate(
+    stub, app: str, prompt: list[int], n: int, clock: Callable[[], ThreadTimes | None] | None = None
+) -> Stream:
     sampling = pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
     times: list[float] = []
+    marks: list[ThreadTimes | None] = []
     last = None
     start = time.perf_counter()
     for msg in stub.Generate(request, metadata=(("application", app),)):
         now = time.perf_counter()
+        before = len(times)
         times.extend(now for _ in msg.token_ids)
+        if clock is not None and (before < 2 <= len(times) or before < n <= len(times)):
+            marks.append(clock())
         last = msg
     assert last is not None and len(times) == n, f"{app}: got {len(times)} tokens, not {n}"
-    return Stream(start, times, last)
+    return Stream(start, times, last, (marks[0], marks[-1]) if clock is not None else None)
 
 
 def wait_ready(stub, app: str, prompt: list[int], timeout: float = 120.0) -> None:
@@ -424,15 +457,57 @@ def make_prompt(cfg: BenchConfig, engine: Engine, n: int, salt: int = 0) -> list
 
 
 def _engine_alone(mode: str):
-    """A call timing the engine of `mode`'s decoding replica alone, in its own process."""
+    """A call timing the engine of `mode`'s decoding replica alone, in its own process:
+    (seconds, engine-thread CPU seconds) per token."""
     from ray import serve
 
     handle = serve.get_deployment_handle(DECODING[mode], app_name=MODES[mode])
 
-    def call(prompt: list[int], n: int) -> float:
-        return handle.time_decode.remote(prompt, n).result()[0]
+    def call(prompt: list[int], n: int) -> tuple[float, float]:
+        wall, cpu = handle.time_decode.remote(prompt, n).result()
+        return wall, cpu
 
     return call
+
+
+def _engine_clock(mode: str, procs: dict[str, int]) -> Callable[[], ThreadTimes | None] | None:
+    """Reads of the scheduler accounting of `mode`'s decoding engine thread, or None where
+    its process is not known here (a Ray this process did not start)."""
+    from ray import serve
+
+    pid = procs.get(f"{mode}/{DECODING[mode]}")
+    if pid is None:
+        return None
+    handle = serve.get_deployment_handle(DECODING[mode], app_name=MODES[mode])
+    tid = handle.engine_thread_id.remote().result()
+    return lambda: ThreadTimes.read(pid, tid)
+
+
+def _engine_cpu(mode: str) -> Callable[[], tuple[float, float]]:
+    """A call reading (all, inside `Engine.step`) CPU seconds of `mode`'s decoding engine
+    thread."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(DECODING[mode], app_name=MODES[mode])
+
+    def call() -> tuple[float, float]:
+        total, in_step = handle.engine_cpu.remote().result()
+        return total, in_step
+
+    return call
+
+
+def engine_thread_split(s: Stream, n: int) -> tuple[float, float, float] | None:
+    """(on CPU, waiting for a CPU, off CPU otherwise) seconds per token of the decoding
+    engine thread between the arrivals of tokens 2 and N; the three add up to the client's
+    mean interval."""
+    if s.marks is None or s.marks[0] is None or s.marks[1] is None:
+        return None
+    a, b = s.marks
+    wall = (s.token_times[-1] - s.token_times[1]) / (n - 2)
+    on_cpu = (b.on_cpu_s - a.on_cpu_s) / (n - 2)
+    waiting = (b.runqueue_s - a.runqueue_s) / (n - 2)
+    return on_cpu, waiting, wall - on_cpu - waiting
 
 
 class _DecodeRuns:
@@ -453,7 +528,16 @@ class _DecodeRuns:
         for m in modes:
             served_generate(self.stub, MODES[m], self.prompt, n)
             res.served_s[m], res.served_cpu_s[m], res.alone_s[m] = [], {}, []
+            res.alone_cpu_s[m], res.engine_thread_s[m], res.loop_cpu_s[m] = [], [], []
         alone = {m: _engine_alone(m) for m in modes}
+        clocks = {m: _engine_clock(m, procs) for m in modes}
+        engine_cpu = {m: _engine_cpu(m) for m in modes}
+
+        def time_alone(m: str) -> None:
+            wall, cpu = alone[m](self.prompt, n)
+            res.alone_s[m].append(wall)
+            res.alone_cpu_s[m].append(cpu)
+
         for r in range(cfg.repeats):
             # Rotate the order (in-process first, then second, ...) so that no app always runs
             # right after the in-process engine, or right after another app.
@@ -468,18 +552,23 @@ class _DecodeRuns:
                     inproc_cpu.append(cpu)
                     continue
                 if r % 2:  # its replica's engine alone, before the served run or after it
-                    res.alone_s[m].append(alone[m](self.prompt, n))
+                    time_alone(m)
                 mine = {k: pid for k, pid in procs.items() if k == "proxy" or k.startswith(m)}
+                engine_before = engine_cpu[m]()
                 before, client_before = cpu_seconds(mine), time.process_time()
-                s = served_generate(self.stub, MODES[m], self.prompt, n)
+                s = served_generate(self.stub, MODES[m], self.prompt, n, clocks[m])
                 after, client_after = cpu_seconds(mine), time.process_time()
+                (total_a, step_a), (total_b, step_b) = engine_before, engine_cpu[m]()
+                res.loop_cpu_s[m].append(((total_b - total_a) - (step_b - step_a)) / (n - 1))
                 res.served_s[m].append(per_token(s.token_times))
+                if (split := engine_thread_split(s, n)) is not None:
+                    res.engine_thread_s[m].append(split)
                 cpu_per_token = {k: (after[k] - before[k]) / n for k in before if k in after}
                 cpu_per_token["client (this process)"] = (client_after - client_before) / n
                 for k, v in cpu_per_token.items():
                     res.served_cpu_s[m].setdefault(k, []).append(v)
                 if not r % 2:
-                    res.alone_s[m].append(alone[m](self.prompt, n))
+                    time_alone(m)
                 if m == "disaggregated":
                     t = s.last.timing
                     res.incl_transfer_s.append(
@@ -746,6 +835,7 @@ def render(res: Results, argv: list[str]) -> str:
         f"| {ROWS[1]} | {_med(res.incl_transfer_s) * 1e3:.2f} | {_spread(res.incl_transfer_s)} |"
     )
     lines += _cpu_table(res)
+    lines += _engine_thread_table(res)
     lines += [
         "",
         "## 2. KV transfer throughput (grpc, loopback, fetched by this process)",
@@ -814,6 +904,17 @@ def render(res: Results, argv: list[str]) -> str:
                 f"({coverage:.0%} CI of the median {low * 1e3:+.2f} to {high * 1e3:+.2f}, "
                 f"{len(diffs)} pairs) | {_bounded_verdict(low, high, ADDED_LATENCY_TARGET_S)} |"
             )
+    for mode in _thread_modes(res):
+        if mode == "serve-relay":
+            continue
+        low, high, coverage = median_ci(lost := lost_by_engine(res, mode))
+        lines.append(
+            f"| serving's cost to the {mode} engine thread per output token (off CPU + loop "
+            f"work; Engine.step's own CPU time taken as equal) ≤ "
+            f"{ADDED_LATENCY_TARGET_S * 1e3:.0f} ms | {_med(lost) * 1e3:+.2f} ms "
+            f"({coverage:.0%} CI of the median {low * 1e3:+.2f} to {high * 1e3:+.2f}, "
+            f"{len(lost)} pairs) | {_bounded_verdict(low, high, ADDED_LATENCY_TARGET_S)} |"
+        )
     for n_tok, (share, cons) in shares.items():
         lines.append(
             f"| KV transfer ≤ {TRANSFER_SHARE_TARGET:.0%} of TTFT, {n_tok}-token prompt "
@@ -869,6 +970,86 @@ def _cpu_table(res: Results) -> list[str]:
             cells.append(f"{_med(xs) * 1e3:.2f}" if xs else "–")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _thread_modes(res: Results) -> list[str]:
+    """The modes whose every served run has the engine thread's accounting."""
+    return [
+        m
+        for m, runs in res.engine_thread_s.items()
+        if runs and len(runs) == len(res.alone_s[m]) == len(res.loop_cpu_s[m])
+    ]
+
+
+def lost_by_engine(res: Results, mode: str) -> list[float]:
+    """Per pair: what serving cost the decoding engine thread per token, from its own
+    accounting: its time off CPU beyond that of the same engine alone, plus its loop's CPU
+    work outside `Engine.step`. Leaves out the step's own CPU time, the same code in both,
+    whose paired difference is dominated by the machine's speed changing between the runs."""
+    return [
+        (waiting + other) - (wall - cpu) + loop
+        for (_, waiting, other), wall, cpu, loop in zip(
+            res.engine_thread_s[mode],
+            res.alone_s[mode],
+            res.alone_cpu_s[mode],
+            res.loop_cpu_s[mode],
+            strict=True,
+        )
+    ]
+
+
+def _engine_thread_table(res: Results) -> list[str]:
+    """Where the decoding engine thread's time per token went, served and alone, and the
+    paired served − alone differences of its on-CPU and off-CPU parts (their sum is the added
+    latency against the replica's engine alone)."""
+    modes = _thread_modes(res)
+    if not modes:
+        return []
+    lines = [
+        "",
+        "The decoding replica's engine thread, per output token over tokens 2..N (ms, medians "
+        "of runs). Served: its scheduler accounting (/proc/PID/task/TID/schedstat) read by this "
+        "client when token 2 and token N arrived, the rest of the client's interval being time "
+        "off CPU for other reasons (waiting for the GIL or a lock, or idle). Alone: "
+        "`time_decode`'s wall and thread CPU time. The paired differences split the added "
+        "latency into time the engine lost off CPU (the serving path taking the GIL or the "
+        "core) and the difference in its own CPU time (extra work per step, or the machine "
+        "running slower during one run of the pair).",
+        "",
+        "| engine thread | on CPU | of it outside Engine.step | waiting for a CPU | off CPU "
+        "otherwise | off CPU, served − alone (CI) | on CPU, served − alone (CI) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in modes:
+        runs = res.engine_thread_s[m]
+        on_cpu = [r[0] for r in runs]
+        off_cpu = [r[1] + r[2] for r in runs]
+        alone_off = [w - c for w, c in zip(res.alone_s[m], res.alone_cpu_s[m], strict=True)]
+        d_off = [s - a for s, a in zip(off_cpu, alone_off, strict=True)]
+        d_on = [s - a for s, a in zip(on_cpu, res.alone_cpu_s[m], strict=True)]
+        lines += [
+            f"| {LABELS[m]}, served | {_med(on_cpu) * 1e3:.2f} | "
+            f"{_med(res.loop_cpu_s[m]) * 1e3:.3f} | {_med([r[1] for r in runs]) * 1e3:.2f} | "
+            f"{_med([r[2] for r in runs]) * 1e3:.2f} | {_with_ci(d_off)} | {_with_ci(d_on)} |",
+            f"| {LABELS[m]}, its engine alone | {_med(res.alone_cpu_s[m]) * 1e3:.2f} | | "
+            f"{_med(alone_off) * 1e3:.2f} (both kinds) | | | |",
+        ]
+    lines += [
+        "",
+        "What serving cost the engine thread per token (its extra time off CPU plus its loop's "
+        "work outside `Engine.step`, paired per run): "
+        + "; ".join(f"{LABELS[m]} {_with_ci(lost_by_engine(res, m))} ms" for m in modes)
+        + ". This leaves out the one part the pairs cannot measure finely on a machine whose "
+        "speed changes from run to run: a difference in the CPU time of `Engine.step` itself "
+        "(the same code on the same thread in both runs; the on-CPU column above shows its "
+        "paired difference with that noise in it).",
+    ]
+    return lines
+
+
+def _with_ci(diffs: list[float]) -> str:
+    low, high, _ = median_ci(diffs)
+    return f"{_med(diffs) * 1e3:+.2f} ({low * 1e3:+.2f} to {high * 1e3:+.2f})"
 
 
 def _cores(cfg: BenchConfig) -> str:

@@ -44,6 +44,10 @@ def test_quick_run_reports_every_row_with_positive_numbers(ray_serve):
         _positive(
             _cells(report, f"this process's engine − the {label} replica's engine, both alone")[0]
         )
+        # the decoding engine thread, from its schedstat (this session's Ray is ours)
+        served = _cells(report, f"{label}, served")
+        assert _positive(served[0]) > 0 and _positive(served[1]) >= 0, served
+        assert _positive(_cells(report, f"{label}, its engine alone")[0]) > 0
 
     _, cfg = serving_bench.parse_args(["--quick"])
     for n_tok in cfg.long_prompts:
@@ -55,7 +59,9 @@ def test_quick_run_reports_every_row_with_positive_numbers(ray_serve):
 
     verdicts = ("| PASS |", "| FAIL |", "| NOT SHOWN |")
     targets = [line for line in report.splitlines() if line.endswith(verdicts)]
-    assert len(targets) == 2 * 2 + 2 * len(cfg.long_prompts), targets
+    # per mode: two direct comparisons and the engine thread's own accounting
+    assert len(targets) == 2 * 3 + 2 * len(cfg.long_prompts), targets
+    assert "serving's cost to the disaggregated engine thread" in report
     assert "load average before" in report and "torch thread(s)" in report
     # The session's Ray was started as `pdserve serve` starts one: its proxy has NODE_ENV_VARS.
     assert "proxy to router: over gRPC to the router's replica" in report
@@ -109,6 +115,20 @@ def test_engine_cpus_reach_the_engine_pools_and_need_a_ray_of_its_own(capsys) ->
         with pytest.raises(SystemExit):
             serving_bench.parse_args(bad)
         assert "engine" in capsys.readouterr().err
+
+
+def test_the_engine_threads_cost_is_its_extra_time_off_cpu_plus_its_loop_work() -> None:
+    res = serving_bench.Results(cfg=None, app=None)  # type: ignore[arg-type]
+    # served: on CPU 60, waiting 0.2, otherwise off 0.1; alone: wall 60.1, CPU 60 (ms)
+    res.engine_thread_s["disaggregated"] = [(60e-3, 0.2e-3, 0.1e-3), (61e-3, 0.0, 0.0)]
+    res.alone_s["disaggregated"] = [60.1e-3, 59e-3]
+    res.alone_cpu_s["disaggregated"] = [60e-3, 58.9e-3]
+    res.loop_cpu_s["disaggregated"] = [0.05e-3, 0.02e-3]
+    lost = serving_bench.lost_by_engine(res, "disaggregated")
+    assert lost == pytest.approx([0.25e-3, -0.08e-3])
+    assert serving_bench._thread_modes(res) == ["disaggregated"]
+    res.loop_cpu_s["disaggregated"].pop()  # a run without the reading: no table from it
+    assert serving_bench._thread_modes(res) == []
 
 
 def test_the_median_interval_is_the_binomial_order_statistics() -> None:

@@ -63,66 +63,65 @@ async def start(handler) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
+async def talk(handler, client, options=None):
+    """Serve `handler` on loopback, run `client(stream)` on one call of it, stop the server."""
+    server, target = await start(handler)
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        result = await client(channel.unary_stream(METHOD)(b"go"))
+    await server.stop(None)
+    return result
+
+
 async def cancel_during_a_write(handler, call: ReplicaCall) -> None:
     """Read one message, stop reading until the server is stuck in a write, then cancel."""
-    server, target = await start(handler)
-    async with grpc.aio.insecure_channel(target, options=SMALL_WINDOW) as channel:
-        stream = channel.unary_stream(METHOD)(b"go")
+
+    async def client(stream):
         assert await stream.read()
         await asyncio.sleep(0.5)
         stream.cancel()
-    await asyncio.wait_for(call.ended.wait(), 10)
-    await server.stop(None)
+        await asyncio.wait_for(call.ended.wait(), 10)
+
+    await talk(handler, client, SMALL_WINDOW)
 
 
 def test_messages_and_status_pass_through_with_the_live_context():
-    async def go():
-        call = ReplicaCall()
-        server, target = await start(detach_stream(serve_like(call, n=5, size=3, wait_s=0)))
-        async with grpc.aio.insecure_channel(target) as channel:
-            stream = channel.unary_stream(METHOD)(b"go")
-            got = [m async for m in stream]
-            assert await stream.code() == grpc.StatusCode.OK
-        await server.stop(None)
-        assert got == [bytes([i]) * 3 for i in range(5)]
-        assert not call.cancelled
-        assert call.context_attached
-        assert call.peer is not None and "127.0.0.1" in call.peer
+    async def client(stream):
+        got = [m async for m in stream]
+        assert await stream.code() == grpc.StatusCode.OK
+        return got
 
-    asyncio.run(go())
+    call = ReplicaCall()
+    handler = detach_stream(serve_like(call, n=5, size=3, wait_s=0))
+    got = asyncio.run(talk(handler, client))
+    assert got == [bytes([i]) * 3 for i in range(5)]
+    assert not call.cancelled
+    assert call.context_attached
+    assert call.peer is not None and "127.0.0.1" in call.peer
 
 
 def test_an_error_of_the_handler_ends_the_stream_after_its_messages():
-    async def go():
-        call = ReplicaCall()
-        handler = detach_stream(serve_like(call, n=5, size=3, wait_s=0, fail_after=2))
-        server, target = await start(handler)
-        async with grpc.aio.insecure_channel(target) as channel:
-            stream = channel.unary_stream(METHOD)(b"go")
-            got = []
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for m in stream:
-                    got.append(m)
-            assert e.value.code() == grpc.StatusCode.UNKNOWN
-        await server.stop(None)
-        assert len(got) == 2
+    async def client(stream):
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for m in stream:
+                got.append(m)
+        assert e.value.code() == grpc.StatusCode.UNKNOWN
+        return got
 
-    asyncio.run(go())
+    handler = detach_stream(serve_like(ReplicaCall(), n=5, size=3, wait_s=0, fail_after=2))
+    assert len(asyncio.run(talk(handler, client))) == 2
 
 
 def test_a_cancel_while_waiting_for_the_replica_cancels_the_call():
-    async def go():
-        call = ReplicaCall()
-        server, target = await start(detach_stream(serve_like(call, n=50, size=3, wait_s=0.3)))
-        async with grpc.aio.insecure_channel(target) as channel:
-            stream = channel.unary_stream(METHOD)(b"go")
-            assert await stream.read()
-            stream.cancel()
-        await asyncio.wait_for(call.ended.wait(), 10)
-        await server.stop(None)
-        assert call.cancelled
+    call = ReplicaCall()
 
-    asyncio.run(go())
+    async def client(stream):
+        assert await stream.read()
+        stream.cancel()
+        await asyncio.wait_for(call.ended.wait(), 10)
+
+    asyncio.run(talk(detach_stream(serve_like(call, n=50, size=3, wait_s=0.3)), client))
+    assert call.cancelled
 
 
 def test_a_cancel_during_a_write_cancels_the_call():

@@ -456,45 +456,21 @@ def make_prompt(cfg: BenchConfig, engine: Engine, n: int, salt: int = 0) -> list
     return [rng.randrange(16, engine.info.spec.vocab_size) for _ in range(n)]
 
 
-def _engine_alone(mode: str):
-    """A call timing the engine of `mode`'s decoding replica alone, in its own process:
-    (seconds, engine-thread CPU seconds) per token."""
+def _decoding_replica(mode: str):
+    """The Serve handle of `mode`'s decoding deployment (one replica in this benchmark)."""
     from ray import serve
 
-    handle = serve.get_deployment_handle(DECODING[mode], app_name=MODES[mode])
-
-    def call(prompt: list[int], n: int) -> tuple[float, float]:
-        wall, cpu = handle.time_decode.remote(prompt, n).result()
-        return wall, cpu
-
-    return call
+    return serve.get_deployment_handle(DECODING[mode], app_name=MODES[mode])
 
 
 def _engine_clock(mode: str, procs: dict[str, int]) -> Callable[[], ThreadTimes | None] | None:
     """Reads of the scheduler accounting of `mode`'s decoding engine thread, or None where
     its process is not known here (a Ray this process did not start)."""
-    from ray import serve
-
     pid = procs.get(f"{mode}/{DECODING[mode]}")
     if pid is None:
         return None
-    handle = serve.get_deployment_handle(DECODING[mode], app_name=MODES[mode])
-    tid = handle.engine_thread_id.remote().result()
+    tid = _decoding_replica(mode).engine_thread_id.remote().result()
     return lambda: ThreadTimes.read(pid, tid)
-
-
-def _engine_cpu(mode: str) -> Callable[[], tuple[float, float]]:
-    """A call reading (all, inside `Engine.step`) CPU seconds of `mode`'s decoding engine
-    thread."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle(DECODING[mode], app_name=MODES[mode])
-
-    def call() -> tuple[float, float]:
-        total, in_step = handle.engine_cpu.remote().result()
-        return total, in_step
-
-    return call
 
 
 def engine_thread_split(s: Stream, n: int) -> tuple[float, float, float] | None:
@@ -529,12 +505,12 @@ class _DecodeRuns:
             served_generate(self.stub, MODES[m], self.prompt, n)
             res.served_s[m], res.served_cpu_s[m], res.alone_s[m] = [], {}, []
             res.alone_cpu_s[m], res.engine_thread_s[m], res.loop_cpu_s[m] = [], [], []
-        alone = {m: _engine_alone(m) for m in modes}
+        replicas = {m: _decoding_replica(m) for m in modes}
         clocks = {m: _engine_clock(m, procs) for m in modes}
-        engine_cpu = {m: _engine_cpu(m) for m in modes}
 
         def time_alone(m: str) -> None:
-            wall, cpu = alone[m](self.prompt, n)
+            """Its replica's engine alone, in its own process: per token, wall and CPU."""
+            wall, cpu = replicas[m].time_decode.remote(self.prompt, n).result()
             res.alone_s[m].append(wall)
             res.alone_cpu_s[m].append(cpu)
 
@@ -554,11 +530,11 @@ class _DecodeRuns:
                 if r % 2:  # its replica's engine alone, before the served run or after it
                     time_alone(m)
                 mine = {k: pid for k, pid in procs.items() if k == "proxy" or k.startswith(m)}
-                engine_before = engine_cpu[m]()
+                total_a, step_a = replicas[m].engine_cpu.remote().result()
                 before, client_before = cpu_seconds(mine), time.process_time()
                 s = served_generate(self.stub, MODES[m], self.prompt, n, clocks[m])
                 after, client_after = cpu_seconds(mine), time.process_time()
-                (total_a, step_a), (total_b, step_b) = engine_before, engine_cpu[m]()
+                total_b, step_b = replicas[m].engine_cpu.remote().result()
                 res.loop_cpu_s[m].append(((total_b - total_a) - (step_b - step_a)) / (n - 1))
                 res.served_s[m].append(per_token(s.token_times))
                 if (split := engine_thread_split(s, n)) is not None:
@@ -745,6 +721,16 @@ def median_ci(xs: list[float], level: float = CI_LEVEL) -> tuple[float, float, f
     return ys[k - 1], ys[n - k], coverage
 
 
+def _latency_target(what: str, diffs: list[float]) -> str:
+    """A Targets row for per-token paired differences against ADDED_LATENCY_TARGET_S."""
+    low, high, coverage = median_ci(diffs)
+    return (
+        f"| {what} ≤ {ADDED_LATENCY_TARGET_S * 1e3:.0f} ms | {_med(diffs) * 1e3:+.2f} ms "
+        f"({coverage:.0%} CI of the median {low * 1e3:+.2f} to {high * 1e3:+.2f}, "
+        f"{len(diffs)} pairs) | {_bounded_verdict(low, high, ADDED_LATENCY_TARGET_S)} |"
+    )
+
+
 def _bounded_verdict(low: float, high: float, target: float) -> str:
     """PASS when the whole interval is within the target, FAIL when none of it is, else the
     runs do not tell (the noise of the machine is larger than the distance to the target)."""
@@ -897,23 +883,18 @@ def render(res: Results, argv: list[str]) -> str:
             ("its replica's engine alone", added_same[mode]),
             ("an engine in this process", added[mode]),
         ):
-            low, high, coverage = median_ci(diffs)
             lines.append(
-                f"| added latency per output token, {mode}, vs {reference} ≤ "
-                f"{ADDED_LATENCY_TARGET_S * 1e3:.0f} ms | {_med(diffs) * 1e3:+.2f} ms "
-                f"({coverage:.0%} CI of the median {low * 1e3:+.2f} to {high * 1e3:+.2f}, "
-                f"{len(diffs)} pairs) | {_bounded_verdict(low, high, ADDED_LATENCY_TARGET_S)} |"
+                _latency_target(f"added latency per output token, {mode}, vs {reference}", diffs)
             )
     for mode in _thread_modes(res):
         if mode == "serve-relay":
             continue
-        low, high, coverage = median_ci(lost := lost_by_engine(res, mode))
         lines.append(
-            f"| serving's cost to the {mode} engine thread per output token (off CPU + loop "
-            f"work; Engine.step's own CPU time taken as equal) ≤ "
-            f"{ADDED_LATENCY_TARGET_S * 1e3:.0f} ms | {_med(lost) * 1e3:+.2f} ms "
-            f"({coverage:.0%} CI of the median {low * 1e3:+.2f} to {high * 1e3:+.2f}, "
-            f"{len(lost)} pairs) | {_bounded_verdict(low, high, ADDED_LATENCY_TARGET_S)} |"
+            _latency_target(
+                f"serving's cost to the {mode} engine thread per output token (off CPU + loop "
+                "work; Engine.step's own CPU time taken as equal)",
+                lost_by_engine(res, mode),
+            )
         )
     for n_tok, (share, cons) in shares.items():
         lines.append(

@@ -77,6 +77,16 @@ class BlockManager:
             ids.append(i)
         return ids
 
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many blocks of the longest prefix of `hashes` the cache holds now; takes no
+        reference, so they may be evicted before anyone asks for them."""
+        n = 0
+        for h in hashes if self.enable_caching else ():
+            if h not in self._block_of:
+                break
+            n += 1
+        return n
+
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Record that held block `block_id` holds the computed KV of `block_hash`. A hash
         already cached elsewhere keeps its block (this one stays private)."""

@@ -37,7 +37,7 @@ class EngineStats:
     running: int
     waiting: int
     held: int
-    queued_prompt_tokens: int  # prompt tokens waiting for prefill
+    queued_prompt_tokens: int  # prompt tokens still to prefill (cached prefixes not counted)
     generated_tokens: int  # tokens sampled by this engine since it was made
 
 
@@ -242,8 +242,7 @@ class Engine:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             held=len(held),
-            queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
-            + sum(s.num_uncomputed_tokens for s in self.scheduler.running if not s.in_decode),
+            queued_prompt_tokens=self.scheduler.tokens_to_prefill(),
             generated_tokens=self.generated_tokens,
         )
 

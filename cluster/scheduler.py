@@ -133,11 +133,25 @@ class Scheduler:
         for i in range(first, end):
             self.blocks.register(seq.block_table[i], hashes[i])
 
+    def tokens_to_prefill(self) -> int:
+        """Prompt tokens the queued and partly prefilled sequences still have to compute, less
+        the prefix of each queued one that the cache holds now (what admission would reuse)."""
+        left = sum(s.num_uncomputed_tokens for s in self.running if not s.in_decode)
+        for seq in self.waiting:
+            left += seq.num_uncomputed_tokens
+            if not seq.block_table and self.blocks.enable_caching:
+                hashes = self._reusable_hashes(seq)
+                left -= self.blocks.cached_prefix(hashes) * self.blocks.block_size
+        return left
+
+    def _reusable_hashes(self, seq: Sequence) -> list[bytes]:
+        usable = (seq.num_tokens - 1) // self.blocks.block_size  # keep the last token to compute
+        return seq.block_hashes(usable, self.blocks.block_size)
+
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         if seq.block_table or not self.blocks.enable_caching:
             return
-        usable = (seq.num_tokens - 1) // self.blocks.block_size  # keep the last token to compute
-        hit = self.blocks.lookup(seq.block_hashes(usable, self.blocks.block_size))
+        hit = self.blocks.lookup(self._reusable_hashes(seq))
         seq.block_table = hit
         seq.num_computed_tokens = len(hit) * self.blocks.block_size
 

@@ -95,6 +95,20 @@ def test_registered_blocks_outlive_their_last_reference_until_reclaimed():
     assert bm.lookup([H[1]]) == []  # a[1] was reclaimed and forgot its hash
 
 
+def test_cached_prefix_counts_without_taking_references():
+    bm = BlockManager(4, block_size=4, enable_caching=True)
+    a = bm.allocate(2)
+    bm.register(a[0], H[0])
+    bm.register(a[1], H[1])
+    bm.free(a)
+    assert bm.cached_prefix([H[0], H[1], H[2]]) == 2
+    assert bm.cached_prefix([H[1]]) == 1 and bm.cached_prefix([H[2], H[0]]) == 0
+    assert (bm.num_free, bm.num_used, bm.num_cached) == (4, 0, 2)  # nothing referenced
+    bm.allocate(3)  # two fresh blocks, then the cached tail block is reclaimed
+    assert bm.cached_prefix([H[0], H[1]]) == 1
+    assert BlockManager(4, block_size=4).cached_prefix([H[0]]) == 0  # caching off
+
+
 def test_lookup_shares_a_block_that_is_still_held():
     bm = BlockManager(4, block_size=4, enable_caching=True)
     (a,) = bm.allocate(1)

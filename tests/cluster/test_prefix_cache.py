@@ -151,3 +151,27 @@ def test_caching_off_recomputes_everything(model_dir, make_engine):
         engine.add_request(Request(rid, ids, greedy(3)))
         assert drive(engine)[rid].num_cached_tokens == 0
     assert prefill_starts(plans, "b") == [0] and engine.stats().kv_blocks_cached == 0
+
+
+def test_queued_prompt_tokens_leave_out_the_prefix_the_cache_holds(model_dir, make_engine):
+    """The prefill pool's autoscaling signal counts what admission would still compute: a
+    queued prompt whose prefix is cached counts only the rest."""
+    engine = make_engine(model_dir(ARCH), block_size=BS, num_blocks=64)
+    shared = prompt(14, seed=20)
+    run_to_completion(engine, [Request("a", shared + prompt(3, seed=21), greedy(2))])
+    engine.add_request(Request("b", shared + prompt(5, seed=22), greedy(2)))  # 19 tokens
+    engine.add_request(Request("c", prompt(9, seed=23), greedy(2)))  # nothing cached
+    # b: 3 blocks of 4 of the shared prefix are cached, 19 - 12 = 7 left; c: all 9.
+    assert engine.stats().queued_prompt_tokens == 7 + 9
+    assert engine.scheduler.waiting[0].block_table == []  # counting took no blocks
+    drive(engine)
+    assert engine.stats().queued_prompt_tokens == 0
+
+
+def test_queued_prompt_tokens_count_everything_with_caching_off(model_dir, make_engine):
+    engine = make_engine(model_dir(ARCH), block_size=BS, num_blocks=64, enable_prefix_caching=False)
+    shared = prompt(14, seed=20)
+    run_to_completion(engine, [Request("a", shared + prompt(3, seed=21), greedy(2))])
+    engine.add_request(Request("b", shared + prompt(5, seed=22), greedy(2)))
+    assert engine.stats().queued_prompt_tokens == 19
+    drive(engine)

@@ -33,7 +33,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "pdserve_kv_cache_usage": ("gauge", "Used share of the replica's KV blocks (0-1)", ("pool",)),
     "pdserve_running_sequences": ("gauge", "Sequences in the running batch", ("pool",)),
     "pdserve_waiting_sequences": ("gauge", "Sequences waiting to be scheduled", ("pool",)),
-    "pdserve_queued_prompt_tokens": ("gauge", "Prompt tokens still to prefill (cached prefixes not counted)", ("pool",)),
+    "pdserve_queued_prompt_tokens": (
+        "gauge",
+        "Prompt tokens still to prefill (cached prefixes not counted)",
+        ("pool",),
+    ),
     "pdserve_prompt_tokens_total": ("counter", "Prompt tokens of served requests", ("pool",)),
     "pdserve_cached_prompt_tokens_total": (
         "counter",

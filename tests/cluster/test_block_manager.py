@@ -77,12 +77,18 @@ def test_blocks_for(tokens, blocks):
 H = [bytes([i]) * 16 for i in range(8)]  # stand-in block hashes
 
 
-def test_registered_blocks_outlive_their_last_reference_until_reclaimed():
+def two_cached_blocks() -> tuple[BlockManager, list[int]]:
+    """A pool of 4 with blocks `a` computed for H[0] and H[1], both freed (cached, free)."""
     bm = BlockManager(4, block_size=4, enable_caching=True)
     a = bm.allocate(2)
     bm.register(a[0], H[0])
     bm.register(a[1], H[1])
     bm.free(a)
+    return bm, a
+
+
+def test_registered_blocks_outlive_their_last_reference_until_reclaimed():
+    bm, a = two_cached_blocks()
     assert (bm.num_free, bm.num_used, bm.num_cached) == (4, 0, 2)
     assert bm.lookup([H[0], H[1], H[2]]) == a  # the longest cached prefix, re-referenced
     assert [bm.ref_count(i) for i in a] == [1, 1] and bm.num_used == 2
@@ -96,11 +102,7 @@ def test_registered_blocks_outlive_their_last_reference_until_reclaimed():
 
 
 def test_cached_prefix_counts_without_taking_references():
-    bm = BlockManager(4, block_size=4, enable_caching=True)
-    a = bm.allocate(2)
-    bm.register(a[0], H[0])
-    bm.register(a[1], H[1])
-    bm.free(a)
+    bm, _ = two_cached_blocks()
     assert bm.cached_prefix([H[0], H[1], H[2]]) == 2
     assert bm.cached_prefix([H[1]]) == 1 and bm.cached_prefix([H[2], H[0]]) == 0
     assert (bm.num_free, bm.num_used, bm.num_cached) == (4, 0, 2)  # nothing referenced

@@ -463,13 +463,13 @@ def _decoding_replica(mode: str):
     return serve.get_deployment_handle(DECODING[mode], app_name=MODES[mode])
 
 
-def _engine_clock(mode: str, procs: dict[str, int]) -> Callable[[], ThreadTimes | None] | None:
-    """Reads of the scheduler accounting of `mode`'s decoding engine thread, or None where
-    its process is not known here (a Ray this process did not start)."""
-    pid = procs.get(f"{mode}/{DECODING[mode]}")
+def _engine_clock(replica, pid: int | None) -> Callable[[], ThreadTimes | None] | None:
+    """Reads of the scheduler accounting of the engine thread of `replica` (a decoding
+    deployment's handle) in process `pid`, or None where that process is not known here (a Ray
+    this process did not start)."""
     if pid is None:
         return None
-    tid = _decoding_replica(mode).engine_thread_id.remote().result()
+    tid = replica.engine_thread_id.remote().result()
     return lambda: ThreadTimes.read(pid, tid)
 
 
@@ -506,7 +506,7 @@ class _DecodeRuns:
             res.served_s[m], res.served_cpu_s[m], res.alone_s[m] = [], {}, []
             res.alone_cpu_s[m], res.engine_thread_s[m], res.loop_cpu_s[m] = [], [], []
         replicas = {m: _decoding_replica(m) for m in modes}
-        clocks = {m: _engine_clock(m, procs) for m in modes}
+        clocks = {m: _engine_clock(replicas[m], procs.get(f"{m}/{DECODING[m]}")) for m in modes}
 
         def time_alone(m: str) -> None:
             """Its replica's engine alone, in its own process: per token, wall and CPU."""

@@ -27,6 +27,10 @@ ROLE_CLASSES = {
 # A replica being removed gets this long to finish its streams and hand over its KV leases.
 GRACEFUL_SHUTDOWN_S = 30.0
 GRPC_SERVICER = "router.grpc_ingress.add_generation_servicer"
+# The pools whose replicas prefill, and the request router that sends a prompt back to the
+# replica whose prefix cache holds its start (`PoolConfig.prefix_affinity`).
+PREFILLING_ROLES = ("Prefill", "Colocated")
+PREFIX_AFFINITY_ROUTER = "router.prefix_affinity:PrefixAffinityRouter"
 # How Serve runs every pdserve replica. By default Serve runs a replica's methods on a second
 # event loop in a thread of its own, and each streamed item then crosses threads twice more
 # under the GIL that the engine thread also needs; pdserve's replica methods never block (the
@@ -85,6 +89,15 @@ def _deployment(name: str, pool: PoolConfig):
     )
     options = pool.actor_options()
     options["runtime_env"] = {"env_vars": dict(REPLICA_ENV_VARS)}
+    routing = {}
+    if name in PREFILLING_ROLES and pool.prefix_affinity and pool.cache.enable_prefix_caching:
+        routing["request_router_config"] = {
+            "request_router_class": PREFIX_AFFINITY_ROUTER,
+            "request_router_kwargs": {
+                "block_size": pool.cache.block_size,
+                "max_imbalance": pool.affinity_max_imbalance,
+            },
+        }
     return serve.deployment(
         cls,
         name=name,
@@ -94,6 +107,7 @@ def _deployment(name: str, pool: PoolConfig):
         health_check_period_s=5,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
         **size,
+        **routing,
     )
 
 

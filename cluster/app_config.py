@@ -47,6 +47,12 @@ class PoolConfig:
     # Requests waiting for a replica beyond that; more are refused at once. 0 = 4x ongoing.
     max_queued_requests: int = 0
     autoscaling: AutoscalingSettings | None = None
+    # Pools that prefill (prefill, colocated) with their prefix cache on: send a prompt to the
+    # replica that was last sent the longest start of it (router/prefix_affinity.py), unless
+    # that replica has `affinity_max_imbalance` more requests open than the least loaded one.
+    # Off: Serve's power of two choices. The decode pool in disaggregated mode ignores both.
+    prefix_affinity: bool = True
+    affinity_max_imbalance: int = 8
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -59,6 +65,8 @@ class PoolConfig:
             raise InvalidArgument("num_cpus, num_gpus and torch_threads must be >= 0")
         if self.max_ongoing_requests < 0 or self.max_queued_requests < 0:
             raise InvalidArgument("max_ongoing_requests and max_queued_requests must be >= 0")
+        if self.affinity_max_imbalance < 0:
+            raise InvalidArgument("affinity_max_imbalance must be >= 0")
         object.__setattr__(self, "engine_cpus", parse_cpu_list(self.engine_cpus))
 
     @property

@@ -245,23 +245,43 @@ def test_seeded_sampling_is_the_same_disaggregated_colocated_alone_and_batched(a
 def test_a_repeated_prompt_reports_its_cached_prefix(apps):
     """Prefix caching through the whole path: the prompt's full blocks (16 tokens each) are
     reused by the replica that computed them, `usage.cached_prompt_tokens` says so, and the
-    tokens do not change. With 2 prefill replicas, of 3 calls at least two meet on one."""
+    tokens do not change. With 2 prefill replicas, prefix-affinity routing sends every repeat
+    back to the replica that computed the prompt (Serve's default would pick one at random)."""
     import random
 
     rng = random.Random(41)
     ids = [rng.randrange(20, 200) for _ in range(40)]
-    for app, calls in ((CO, 2), (PD, 3)):
+    for app, calls in ((CO, 2), (PD, 4)):
         msgs = [
             generate(apps, app, prompt_token_ids=ids, sampling=greedy_sampling(4))[0]
             for _ in range(calls)
         ]
         cached = [m[-1].usage.cached_prompt_tokens for m in msgs]
-        assert cached[0] == 0 and max(cached[1:]) == 32 and set(cached) <= {0, 32}, (app, cached)
+        assert cached == [0] + [32] * (calls - 1), (app, cached)
+        assert len({m[-1].timing.prefill_replica for m in msgs}) == 1, app
         assert all(tokens(m) == tokens(msgs[0]) for m in msgs), app
     wait_for_idle(apps, PD, {"prefill", "decode"})
     # GetStats shows the colocated replica's cache: at least this prompt's 2 full blocks, free.
     (replica,) = wait_for_idle(apps, CO, {"colocated"})
     assert replica.kv_blocks_cached >= 2 and replica.kv_blocks_used == 0
+
+
+def test_interleaved_prefixes_each_go_back_to_the_replica_that_cached_them(apps):
+    """Four prompts' 48-token prefixes taken in turn, three rounds, on 2 prefill replicas:
+    every repeat is sent where its prefix was computed and finds all 3 blocks cached."""
+    import random
+
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(20, 4000) for _ in range(48)] for _ in range(4)]
+    replica_of: dict[int, set[str]] = {}
+    for round_ in range(3):
+        for i, prefix in enumerate(prefixes):
+            ids = [*prefix, 10 + round_, 10 + i]
+            last = generate(apps, PD, prompt_token_ids=ids, sampling=greedy_sampling(2))[0][-1]
+            assert last.usage.cached_prompt_tokens == (48 if round_ else 0), (round_, i)
+            replica_of.setdefault(i, set()).add(last.timing.prefill_replica)
+    assert all(len(replicas) == 1 for replicas in replica_of.values()), replica_of
+    wait_for_idle(apps, PD, {"prefill", "decode"})
 
 
 def test_logprobs_over_grpc_and_openai_match_transformers(apps, tokenizer_model_dir, hf):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import math
 import os
@@ -51,7 +52,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -381,6 +382,7 @@ class Stream:
     call_at: float
     token_times: list[float]  # arrival time of each token (messages carry one token each)
     last: pb.GenerateResponse
+    token_ids: list[int]
     # `clock`'s readings when token 2 and token N arrived
     marks: tuple[ThreadTimes | None, ThreadTimes | None] | None = None
 
@@ -391,6 +393,7 @@ def served_generate(
     sampling = pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
     times: list[float] = []
+    ids: list[int] = []
     marks: list[ThreadTimes | None] = []
     last = None
     start = time.perf_counter()
@@ -398,11 +401,12 @@ def served_generate(
         now = time.perf_counter()
         before = len(times)
         times.extend(now for _ in msg.token_ids)
+        ids.extend(msg.token_ids)
         if clock is not None and (before < 2 <= len(times) or before < n <= len(times)):
             marks.append(clock())
         last = msg
     assert last is not None and len(times) == n, f"{app}: got {len(times)} tokens, not {n}"
-    return Stream(start, times, last, (marks[0], marks[-1]) if clock is not None else None)
+    return Stream(start, times, last, ids, (marks[0], marks[-1]) if clock is not None else None)
 
 
 def wait_ready(stub, app: str, prompt: list[int], timeout: float = 120.0) -> None:
@@ -1069,6 +1073,31 @@ def log(msg: str) -> None:
 # -- driver ------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def local_serve() -> Iterator[int]:
+    """A fresh local Ray of our own (never someone else's cluster) with Serve and its gRPC
+    proxy, set up as `pdserve serve` sets up its local Ray; yields the proxy's gRPC port."""
+    import ray
+    from ray import serve
+
+    from cluster.app import GRPC_SERVICER, apply_node_env
+
+    apply_node_env()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning")
+    try:
+        grpc_port, http_port = _free_port(), _free_port()
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": http_port},
+            grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        )
+        try:
+            yield grpc_port
+        finally:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1082,30 +1111,12 @@ def main(argv: list[str] | None = None) -> str:
     if args.grpc_port:
         res = run(args.grpc_port, cfg)
     else:
-        import ray
-        from ray import serve
-
-        from cluster.app import GRPC_SERVICER, apply_node_env
-
-        apply_node_env()  # as `pdserve serve` starts its local Ray
         # Read by the raylet this starts (it inherits our environment), so ours only.
         os.environ["RAY_worker_niceness"] = str(cfg.worker_niceness)
         if cfg.engine_cpus:  # Ray's processes inherit the rest; the engine threads move back
             reserve_for_engines(cfg.engine_cpus)
-        # "local": always a fresh instance of our own, never someone else's cluster.
-        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning")
-        try:
-            grpc_port, http_port = _free_port(), _free_port()
-            serve.start(
-                http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
-            )
-            try:
-                res = run(grpc_port, cfg)
-            finally:
-                serve.shutdown()
-        finally:
-            ray.shutdown()
+        with local_serve() as grpc_port:
+            res = run(grpc_port, cfg)
     report = render(res, argv)
     print(report)
     if args.out is not None:

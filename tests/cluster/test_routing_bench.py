@@ -9,14 +9,7 @@ cluster/benchmarks/results/).
 from __future__ import annotations
 
 from cluster.benchmarks import routing_bench
-
-
-def _row(report: str, label: str) -> list[str]:
-    for line in report.splitlines():
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("|") and cells[0] == label:
-            return cells[1:]
-    raise AssertionError(f"no row {label!r} in the report:\n{report}")
+from tests.cluster.bench_report import cells
 
 
 def test_small_run_caches_every_repeat_with_affinity_and_leaks_nothing(
@@ -26,10 +19,10 @@ def test_small_run_caches_every_repeat_with_affinity_and_leaks_nothing(
     args += ["--suffix", "4", "--rounds", "3", "--num-blocks", "64"]
     report = routing_bench.main([*args, "--grpc-port", str(ray_serve.grpc_port)])
 
-    affinity, _ = _row(report, "repeats (rounds 2-3) with their whole prefix cached")
+    affinity, _ = cells(report, "repeats (rounds 2-3) with their whole prefix cached")
     assert affinity == "8 / 8", report
-    assert _row(report, "prefixes served by more than one replica")[0] == "0"
-    assert _row(report, "KV blocks used or leased after the run") == ["0", "0"]
+    assert cells(report, "prefixes served by more than one replica")[0] == "0"
+    assert cells(report, "KV blocks used or leased after the run") == ["0", "0"]
     assert "Same tokens from both apps for every prompt: yes" in report
-    ttft = _row(report, "median TTFT, rounds 2-3 (ms)")
+    ttft = cells(report, "median TTFT, rounds 2-3 (ms)")
     assert all(float(cell) > 0 for cell in ttft)

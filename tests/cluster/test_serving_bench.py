@@ -12,16 +12,9 @@ import re
 import pytest
 
 from cluster.benchmarks import serving_bench
+from tests.cluster.bench_report import cells
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
-
-
-def _cells(report: str, label: str) -> list[str]:
-    for line in report.splitlines():
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("|") and cells[0] == label:
-            return cells[1:]
-    raise AssertionError(f"no row {label!r} in the report:\n{report}")
 
 
 def _positive(cell: str) -> float:
@@ -37,21 +30,21 @@ def test_quick_run_reports_every_row_with_positive_numbers(ray_serve):
     absolute = [f"decode per token, {label}, via Serve + gRPC" for label in labels]
     alone = [f"decode per token, {label}: its replica's engine alone" for label in labels]
     for label in (*absolute, *alone, *serving_bench.ROWS):
-        assert _positive(_cells(report, label)[0]) > 0, label
+        assert _positive(cells(report, label)[0]) > 0, label
     for label in labels:  # differences: any sign
-        _positive(_cells(report, f"added per token, {label}")[0])
-        _positive(_cells(report, f"added per token, {label}, vs its replica's engine alone")[0])
+        _positive(cells(report, f"added per token, {label}")[0])
+        _positive(cells(report, f"added per token, {label}, vs its replica's engine alone")[0])
         _positive(
-            _cells(report, f"this process's engine − the {label} replica's engine, both alone")[0]
+            cells(report, f"this process's engine − the {label} replica's engine, both alone")[0]
         )
         # the decoding engine thread, from its schedstat (this session's Ray is ours)
-        served = _cells(report, f"{label}, served")
+        served = cells(report, f"{label}, served")
         assert _positive(served[0]) > 0 and _positive(served[1]) >= 0, served
-        assert _positive(_cells(report, f"{label}, its engine alone")[0]) > 0
+        assert _positive(cells(report, f"{label}, its engine alone")[0]) > 0
 
     _, cfg = serving_bench.parse_args(["--quick"])
     for n_tok in cfg.long_prompts:
-        mb, ms, gbs = (_positive(c) for c in _cells(report, str(n_tok))[:3])
+        mb, ms, gbs = (_positive(c) for c in cells(report, str(n_tok))[:3])
         assert mb > 0 and ms > 0 and gbs > 0
         ttft_row = [c for c in report.splitlines() if c.startswith(f"| {n_tok} |")][1]
         values = [_positive(c) for c in ttft_row.strip("|").split("|")[1:]]

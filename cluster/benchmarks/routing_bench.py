@@ -2,13 +2,14 @@
 with pdserve's routing and with Serve's default, side by side in one run.
 
     python -m cluster.benchmarks.routing_bench [--preset small] [--tenants 12] [--prefix 256]
-        [--rounds 4] [--num-blocks 176] [--out FILE]
+        [--rounds 4] [--num-blocks 176] [--clients 1] [--out FILE]
 
 Two apps on one local Ray, the same config (2 prefill replicas, 1 decode replica, one torch
 thread each), one with `prefix_affinity` on (the default) and one with it off (Serve's power
 of two choices). `--tenants` prefixes (a system prompt or few-shot preamble each) are sent in
-turn, `--rounds` times, each time with a suffix of its own, one request at a time through the
-gRPC API, alternating between the two apps (which goes first swaps every request). Each
+turn, `--rounds` times, each time with a suffix of its own, through the gRPC API, alternating
+between the two apps (which goes first swaps every request), one request at a time or, with
+`--clients N`, from N client threads that take the requests in that order. Each
 prefill replica's KV pool holds `--num-blocks` blocks: by default fewer than all the prefixes
 need, more than half of them, as when a pool serves more prefixes than one replica can keep.
 Prints per app the share of prompt tokens served from the prefix cache, how many repeats found
@@ -28,6 +29,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,7 +38,13 @@ import grpc
 
 from cluster.app_config import AppConfig, PoolConfig
 from cluster.benchmarks import engine_bench as bench
-from cluster.benchmarks.serving_bench import local_serve, log, served_generate, wait_ready
+from cluster.benchmarks.serving_bench import (
+    Stream,
+    local_serve,
+    log,
+    served_generate,
+    wait_ready,
+)
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -56,6 +64,14 @@ class Served:
     tenant: list[int] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
     used_blocks_after: int = -1
+
+    def add(self, tenant: int, s: Stream) -> None:
+        self.ttft_s.append(s.token_times[0] - s.call_at)
+        self.cached.append(s.last.usage.cached_prompt_tokens)
+        self.prompt_tokens.append(s.last.usage.prompt_tokens)
+        self.replica.append(s.last.timing.prefill_replica)
+        self.tenant.append(tenant)
+        self.tokens.append(s.token_ids)
 
 
 def app_config(a: argparse.Namespace, model_dir: str, affinity: bool, name: str) -> AppConfig:
@@ -109,21 +125,23 @@ def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> dict[str, 
             for _ in range(6):
                 prompt = [warm.randrange(16, vocab) for _ in range(a.prefix + a.suffix)]
                 served_generate(stub, name, prompt, OUTPUT_TOKENS)
-        for i, (tenant, prompt) in enumerate(prompts(a, vocab)):
-            order = list(APPS.items())[:: 1 if i % 2 else -1]
-            for label, name in order:
-                s = served_generate(stub, name, prompt, OUTPUT_TOKENS)
-                r = results[label]
-                r.ttft_s.append(s.token_times[0] - s.call_at)
-                r.cached.append(s.last.usage.cached_prompt_tokens)
-                r.prompt_tokens.append(s.last.usage.prompt_tokens)
-                r.replica.append(s.last.timing.prefill_replica)
-                r.tenant.append(tenant)
-                r.tokens.append(s.token_ids)
-            log(
-                f"request {i + 1}: tenant {tenant}, "
-                + ", ".join(f"{n} cached {results[lb].cached[-1]}" for lb, n in APPS.items())
-            )
+        work = prompts(a, vocab)
+        # Request i of each app in the order (A, B) or (B, A), alternating; `--clients` threads
+        # take them in that order, so each app has about half of them in flight.
+        calls = [
+            (label, name, tenant, prompt)
+            for i, (tenant, prompt) in enumerate(work)
+            for label, name in list(APPS.items())[:: 1 if i % 2 else -1]
+        ]
+        with ThreadPoolExecutor(a.clients) as clients:
+            streams = clients.map(lambda c: served_generate(stub, c[1], c[3], OUTPUT_TOKENS), calls)
+            for k, ((label, _, tenant, _), s) in enumerate(zip(calls, streams, strict=True)):
+                results[label].add(tenant, s)
+                if k % 2:
+                    log(
+                        f"request {k // 2 + 1} of {len(work)}: tenant {tenant}, "
+                        + ", ".join(f"{lb} cached {r.cached[-1]}" for lb, r in results.items())
+                    )
         for label, name in APPS.items():
             results[label].used_blocks_after = used_blocks(stub, name)
     finally:
@@ -156,7 +174,7 @@ def render(a: argparse.Namespace, argv: list[str], res: dict[str, Served], wall_
         f"- machine: {os.cpu_count()} CPUs ({bench.cpu_model()}), {platform.platform()}",
         f"- command: `python -m cluster.benchmarks.routing_bench {' '.join(argv)}`".rstrip(),
         f"- workload: {a.tenants} prefixes of {a.prefix} tokens, each + {a.suffix} tokens of "
-        f"its own, {a.rounds} rounds, one request at a time, {OUTPUT_TOKENS} output tokens; "
+        f"its own, {a.rounds} rounds, {_clients(a.clients)}, {OUTPUT_TOKENS} output tokens; "
         f"2 prefill replicas with {a.num_blocks} KV blocks of 16 tokens each "
         f"({a.num_blocks * 16 // a.prefix} prefixes' worth), 1 decode replica, per app",
         "",
@@ -213,6 +231,10 @@ def render(a: argparse.Namespace, argv: list[str], res: dict[str, Served], wall_
     return "\n".join(lines) + "\n"
 
 
+def _clients(n: int) -> str:
+    return "one request at a time" if n == 1 else f"{n} clients over both apps"
+
+
 def main(argv: list[str] | None = None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -225,6 +247,13 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--num-blocks", type=int, default=176, help="KV blocks per replica")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        help="client threads taking the requests in order "
+        "(both apps' together; default: one request at a time)",
+    )
     p.add_argument(
         "--grpc-port",
         type=int,

@@ -12,10 +12,11 @@ handle to the pool (each router replica), on the handle's routing loop; it sees 
 arguments before a replica is chosen. For a call whose argument is a `Request` it hashes the
 prompt's full blocks (the same chained hashes as the engine's prefix cache), looks them up in a
 `PrefixIndex` of the prefixes it sent where, and ranks first the replicas holding the longest
-match, unless they have `max_imbalance` more calls in flight than the least loaded replica.
-Without a match (or for other methods) it does what Serve's default does: the less loaded of
-two random replicas. What each router knows is its own history, so two router replicas may
-place a new prefix differently; each still sends it back to where it sent it before.
+match if it covers at least half of those blocks, unless they have `max_imbalance` more calls
+in flight than the least loaded replica. Otherwise (and for calls without a prompt) it does
+what Serve's default does, the less loaded of two random replicas, with the one holding fewer
+remembered blocks first on a tie. What each router knows is its own history, so two router
+replicas may place a new prefix differently; each still sends it back to where it sent it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from cluster.request import Request
 # A prompt's first 64 full blocks (1024 tokens with 16-token blocks) decide its replica: a
 # longer shared prefix would not change the choice, and hashing stays cheap.
 MAX_HASHED_BLOCKS = 64
+# A match steers a call only if it covers at least this share of the prompt's hashed blocks:
+# prompts that share just a chat template's first block would otherwise all pile onto one
+# replica to save a few tokens each.
+MIN_MATCH_SHARE = 0.5
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int, limit: int) -> list[bytes]:
@@ -128,7 +133,9 @@ class PrefixAffinityRouter(RequestRouter):
         with self._lock:
             self._forget_departed(candidate_replicas)
             load = {r.replica_id.unique_id: self._load(r) for r in candidate_replicas}
-            holders, _ = self.index.longest_match(hashes, load)
+            holders, depth = self.index.longest_match(hashes, load)
+        if depth < MIN_MATCH_SHARE * len(hashes):
+            holders = []
         lightest = min(load.values())
         preferred = [
             r

@@ -108,8 +108,9 @@ def test_a_repeated_prefix_goes_back_to_its_replica_first():
     send(router, pool, first, "B")
     later = call(prefix + [7, 7, 7, 7, 9])
     assert choose(router, pool, later) == [["B"], ["A", "C"]]
-    # Only the first block shared: still B, the one replica that has it.
-    assert choose(router, pool, call(prefix[:4] + [5] * 8)) == [["B"], ["A", "C"]]
+    # Half the prompt's blocks shared: still B; a third of them: by load, as a new prefix.
+    assert choose(router, pool, call(prefix[:8] + [5] * 8)) == [["B"], ["A", "C"]]
+    assert len(choose(router, pool, call(prefix[:4] + [5] * 8))[0]) == 2
     # A prompt shorter than a block has nothing to match: two at random.
     assert len(choose(router, pool, call([1, 2, 3]))[0]) == 2
 

@@ -213,6 +213,40 @@ def test_openai_client_completions_and_chat(apps, tokenizer_model_dir, hf):
     wait_for_idle(apps, PD, {"prefill", "decode"})
 
 
+def test_a_chats_next_turn_finds_the_last_turns_prompt_cached(apps, tokenizer_model_dir):
+    """Multi-turn chat over the OpenAI API on 2 prefill replicas: turn 2's prompt starts with
+    all of turn 1's, which prefix-affinity routing sends back to the replica that computed it,
+    so every full block of turn 1's prompt comes from the cache. Three conversations, so
+    Serve's default routing would miss at least one with probability 7/8."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_model_dir)
+    client = openai.OpenAI(base_url=f"{apps.http_base}/pd/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def ids(messages: list[dict]) -> list[int]:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+    for n in range(3):
+        system = f"Assistant {n}: answer in one short line, never repeat the question. " * 2
+        turn = [{"role": "system", "content": system}, {"role": "user", "content": "A colour?"}]
+        first = client.chat.completions.create(
+            model=model, messages=turn, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        turn += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Another one."},
+        ]
+        second = client.chat.completions.create(model=model, messages=turn, max_tokens=2)
+        before, after = ids(turn[:2]), ids(turn)
+        shared = len(os.path.commonprefix([before, after]))  # all of `before`, with this template
+        blocks = min(shared, len(after) - 1) // 16
+        assert second.usage.prompt_tokens == len(after)
+        assert second.usage.prompt_tokens_details.cached_tokens == 16 * blocks > 0, n
+    wait_for_idle(apps, PD, {"prefill", "decode"})
+
+
 def test_seeded_sampling_is_the_same_disaggregated_colocated_alone_and_batched(apps):
     seeded = pb.SamplingParams(
         max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=77, ignore_eos=True

@@ -49,10 +49,11 @@ class PoolConfig:
     autoscaling: AutoscalingSettings | None = None
     # Pools that prefill (prefill, colocated) with their prefix cache on: send a prompt to the
     # replica that was last sent the longest start of it (router/prefix_affinity.py), unless
-    # that replica has `affinity_max_imbalance` more requests open than the least loaded one.
+    # that replica has more than `affinity_max_imbalance` requests open beyond the least loaded
+    # one: queueing behind others can cost more than computing the prefix again elsewhere.
     # Off: Serve's power of two choices. The decode pool in disaggregated mode ignores both.
     prefix_affinity: bool = True
-    affinity_max_imbalance: int = 8
+    affinity_max_imbalance: int = 2
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

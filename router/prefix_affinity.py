@@ -12,18 +12,23 @@ handle to the pool (each router replica), on the handle's routing loop; it sees 
 arguments before a replica is chosen. For a call whose argument is a `Request` it hashes the
 prompt's full blocks (the same chained hashes as the engine's prefix cache), looks them up in a
 `PrefixIndex` of the prefixes it sent where, and ranks first the replicas holding the longest
-match if it covers at least half of those blocks, unless they have `max_imbalance` more calls
-in flight than the least loaded replica. Otherwise (and for calls without a prompt) it does
-what Serve's default does, the less loaded of two random replicas, with the one holding fewer
-remembered blocks first on a tie. What each router knows is its own history, so two router
-replicas may place a new prefix differently; each still sends it back to where it sent it.
+match if it covers at least half of those blocks. A prompt without such a match goes to the
+less loaded of the two replicas that rendezvous hashing ranks first for its first blocks, the
+first on a tie: the same choice in every router replica while the load is even, so a
+conversation's next turn finds its history whichever router it reaches. A replica with more
+than `max_imbalance` calls in flight beyond the least loaded one is passed over: overloaded
+holders leave the prompt to its rendezvous pair, an overloaded pair (like a call without a
+prompt) to Serve's default, the less loaded of two random replicas. If the replica ranked first
+turns the call away (its queue is full), two random others are tried.
 """
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import random
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Collection, Iterable
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -38,6 +43,10 @@ MAX_HASHED_BLOCKS = 64
 # prompts that share just a chat template's first block would otherwise all pile onto one
 # replica to save a few tokens each.
 MIN_MATCH_SHARE = 0.5
+# A prompt no replica was sent enough of goes to one of the two replicas that rank first for
+# the hash of its first 4 blocks (64 tokens; rendezvous hashing), the same two in every router
+# replica, so the next turn finds it there whichever router it reaches.
+KEY_BLOCKS = 4
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int, limit: int) -> list[bytes]:
@@ -56,14 +65,9 @@ class PrefixIndex:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._holders: OrderedDict[bytes, dict[str, None]] = OrderedDict()  # in send order
-        self._held: Counter[str] = Counter()  # replica -> block hashes it holds here
 
     def __len__(self) -> int:
         return len(self._holders)
-
-    def held(self, replica: str) -> int:
-        """How many of the remembered blocks `replica` was sent."""
-        return self._held[replica]
 
     def longest_match(self, hashes: list[bytes], live: Collection[str]) -> tuple[list[str], int]:
         """The `live` replicas that were sent the longest prefix of `hashes`, and its length in
@@ -88,12 +92,9 @@ class PrefixIndex:
                 holders = self._holders[h] = {}
             else:
                 self._holders.move_to_end(h)
-            if replica not in holders:
-                holders[replica] = None
-                self._held[replica] += 1
+            holders[replica] = None
         while len(self._holders) > self.capacity:
-            _, holders = self._holders.popitem(last=False)
-            self._held.subtract(holders.keys())
+            self._holders.popitem(last=False)
 
     def forget(self, replicas: Iterable[str]) -> None:
         """Drop replicas that left the pool."""
@@ -104,15 +105,13 @@ class PrefixIndex:
                 del holders[r]
             if not holders:
                 del self._holders[h]
-        for r in gone:
-            self._held.pop(r, None)
 
 
 class PrefixAffinityRouter(RequestRouter):
     """Serve request router: prefix affinity, bounded by load (see the module docstring)."""
 
     def initialize_state(
-        self, block_size: int = 16, max_imbalance: int = 8, index_blocks: int = 1 << 17
+        self, block_size: int = 16, max_imbalance: int = 2, index_blocks: int = 1 << 17
     ) -> None:
         self.block_size = block_size
         self.max_imbalance = max_imbalance
@@ -137,19 +136,24 @@ class PrefixAffinityRouter(RequestRouter):
         if depth < MIN_MATCH_SHARE * len(hashes):
             holders = []
         lightest = min(load.values())
+
+        def light(r: RunningReplica) -> bool:
+            return load[r.replica_id.unique_id] - lightest <= self.max_imbalance
+
         preferred = [
-            r
-            for r in candidate_replicas
-            if r.replica_id.unique_id in holders
-            and load[r.replica_id.unique_id] - lightest <= self.max_imbalance
+            r for r in candidate_replicas if r.replica_id.unique_id in holders and light(r)
         ]
+        if not preferred and hashes:
+            # Nothing cached to go back to yet: the less loaded of the prompt's two rendezvous
+            # replicas (the first on a tie), so that under load it is placed by load.
+            key = hashes[min(len(hashes), KEY_BLOCKS) - 1]
+            pair = heapq.nlargest(2, candidate_replicas, key=lambda r: _rendezvous(key, r))
+            first = min(pair, key=lambda r: load[r.replica_id.unique_id])
+            preferred = [first] if light(first) else []
         if preferred:
             rest = [r for r in candidate_replicas if r not in preferred]
-            return [preferred, rest] if rest else [preferred]
-        # A new prefix: Serve takes the shorter queue of two, the first on a tie, so put first
-        # the one that holds fewer remembered blocks: prefixes spread over the pool's caches.
-        with self._lock:
-            return [sorted(_two_choices(candidate_replicas), key=self._held_by)]
+            return [preferred, _two_choices(rest)] if rest else [preferred]
+        return [_two_choices(candidate_replicas)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
         rid = pending_request.metadata.internal_request_id
@@ -178,9 +182,6 @@ class PrefixAffinityRouter(RequestRouter):
             return []
         return prompt_block_hashes(request.prompt_token_ids, self.block_size, MAX_HASHED_BLOCKS)
 
-    def _held_by(self, replica: RunningReplica) -> int:
-        return self.index.held(replica.replica_id.unique_id)
-
     def _load(self, replica: RunningReplica) -> int:
         """Calls open at the replica: this router's own count, or what Serve last heard from the
         replica (which includes other routers' calls), whichever is larger."""
@@ -198,6 +199,12 @@ class PrefixAffinityRouter(RequestRouter):
             for r in departed:
                 self._in_flight.pop(r, None)
         self._known = live
+
+
+def _rendezvous(key: bytes, replica: RunningReplica) -> bytes:
+    """Replica `replica`'s score for `key`: the highest score wins, the same in every process,
+    and a replica joining or leaving moves only the keys it wins or won."""
+    return hashlib.blake2b(key + replica.replica_id.unique_id.encode(), digest_size=8).digest()
 
 
 def _two_choices(candidates: list[RunningReplica]) -> list[RunningReplica]:

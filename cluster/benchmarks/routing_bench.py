@@ -2,7 +2,7 @@
 with pdserve's routing and with Serve's default, side by side in one run.
 
     python -m cluster.benchmarks.routing_bench [--preset small] [--tenants 12] [--prefix 256]
-        [--rounds 4] [--num-blocks 176] [--clients 1] [--out FILE]
+        [--rounds 4] [--num-blocks 176] [--clients 1] [--routers 1] [--out FILE]
 
 Two apps on one local Ray, the same config (2 prefill replicas, 1 decode replica, one torch
 thread each), one with `prefix_affinity` on (the default) and one with it off (Serve's power
@@ -83,8 +83,10 @@ def app_config(a: argparse.Namespace, model_dir: str, affinity: bool, name: str)
     )
     return AppConfig(
         model=ModelConfig(path=model_dir),
-        router=replace(pool, num_cpus=0.25),
-        prefill=replace(pool, replicas=2, prefix_affinity=affinity),
+        router=replace(pool, num_cpus=0.25, replicas=a.routers),
+        prefill=replace(
+            pool, replicas=2, prefix_affinity=affinity, affinity_max_imbalance=a.max_imbalance
+        ),
         decode=pool,
         name=name,
     )
@@ -176,7 +178,8 @@ def render(a: argparse.Namespace, argv: list[str], res: dict[str, Served], wall_
         f"- workload: {a.tenants} prefixes of {a.prefix} tokens, each + {a.suffix} tokens of "
         f"its own, {a.rounds} rounds, {_clients(a.clients)}, {OUTPUT_TOKENS} output tokens; "
         f"2 prefill replicas with {a.num_blocks} KV blocks of 16 tokens each "
-        f"({a.num_blocks * 16 // a.prefix} prefixes' worth), 1 decode replica, per app",
+        f"({a.num_blocks * 16 // a.prefix} prefixes' worth), 1 decode replica, "
+        f"{a.routers} router replica(s), per app; affinity_max_imbalance {a.max_imbalance}",
         "",
         "| | " + " | ".join(res) + " |",
         "|---|" + "---|" * len(res),
@@ -247,6 +250,18 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--num-blocks", type=int, default=176, help="KV blocks per replica")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-imbalance",
+        type=int,
+        default=PoolConfig().affinity_max_imbalance,
+        help="the affinity app's affinity_max_imbalance (default: pdserve's)",
+    )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router replicas per app (each routes by what it sent itself)",
+    )
     p.add_argument(
         "--clients",
         type=int,

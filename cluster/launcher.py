@@ -42,6 +42,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="cores for the engine threads only, e.g. 1 or 2-7; the local Ray this starts runs "
         "on the other cores (with --address, start that cluster's Ray off them: taskset)",
     )
+    p.add_argument(
+        "--prefix-affinity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send a prompt back to the replica whose prefix cache holds its start (default); "
+        "--no-prefix-affinity: Serve's power of two choices",
+    )
     scale = p.add_argument_group("autoscaling (a pool autoscales when its max > its min)")
     for pool in ("prefill", "decode"):
         scale.add_argument(f"--{pool}-min-replicas", type=int, default=None)
@@ -124,6 +131,7 @@ def _config_from_flags(args: argparse.Namespace) -> AppConfig:
         "num_gpus": gpus,
         "torch_threads": args.torch_threads,
         "engine_cpus": args.engine_cpus,
+        "prefix_affinity": args.prefix_affinity,
     }
     return replace(
         base,

@@ -57,3 +57,32 @@ def test_node_env_is_set_for_a_ray_started_here_unless_already_set(monkeypatch):
     for key in NODE_ENV_VARS:
         monkeypatch.setenv(key, "0")  # the user's own choice wins
     assert apply_node_env() == dict.fromkeys(NODE_ENV_VARS, "0")
+
+
+def test_serve_flag_turns_prefix_affinity_routing_off_for_the_prefilling_pools():
+    import argparse
+
+    from cluster.app import PREFIX_AFFINITY_ROUTER, build_app
+    from cluster.launcher import _config_from_flags, add_serve_arguments
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+
+    def routers(flags: list[str]) -> dict[str, str]:
+        """Deployment name -> its request router class, as `pdserve serve` would deploy it."""
+        app = build_app(_config_from_flags(p.parse_args(flags)))
+        pools = [a for a in app._bound_deployment.init_args if hasattr(a, "_bound_deployment")]
+        deployments = [app._bound_deployment] + [a._bound_deployment for a in pools]
+        return {
+            d.name: d._deployment_config.request_router_config.request_router_class
+            for d in deployments
+        }
+
+    on = routers(["--model", "unused"])
+    assert on["Prefill"] == PREFIX_AFFINITY_ROUTER
+    assert on["Decode"] != PREFIX_AFFINITY_ROUTER and on["Router"] != PREFIX_AFFINITY_ROUTER
+    assert on["Decode"] == on["Router"]  # Serve's default
+    off = routers(["--model", "unused", "--no-prefix-affinity"])
+    assert off["Prefill"] == off["Decode"] == on["Decode"]
+    colocated = routers(["--model", "unused", "--mode", "colocated"])
+    assert colocated["Colocated"] == PREFIX_AFFINITY_ROUTER

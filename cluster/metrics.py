@@ -45,6 +45,12 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("pool",),
     ),
     "pdserve_generation_tokens_total": ("counter", "Generated tokens", ("pool",)),
+    "pdserve_prefix_routing_total": (
+        "counter",
+        "Calls a router placed in a prefilling pool, by outcome: cached_prefix (where it had "
+        "sent the prompt's start), new_prefix (nowhere had it), spilled (its holders were busy)",
+        ("pool", "outcome"),
+    ),
     "pdserve_requests_finished_total": ("counter", "Finished requests", ("pool", "reason")),
 }
 
@@ -67,6 +73,14 @@ class PoolMetrics:
 
     def set(self, name: str, value: float) -> None:
         self._m[name].set(value)
+
+
+def pool_metric(name: str, pool: str):
+    """One of `METRICS` on its own, tagged with `pool`: for a pool's metric that another
+    process records (the routers record the prefilling pools' routing outcomes)."""
+    metric = _make(name, *METRICS[name])
+    metric.set_default_tags({"pool": pool})
+    return metric
 
 
 def _make(name: str, kind: str, description: str, tag_keys: tuple[str, ...]):

@@ -28,11 +28,12 @@ import hashlib
 import heapq
 import random
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cluster.metrics import pool_metric
 from cluster.prefix_hash import ROOT, block_hash
 from cluster.request import Request
 
@@ -69,15 +70,17 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._holders)
 
-    def longest_match(self, hashes: list[bytes], live: Collection[str]) -> tuple[list[str], int]:
-        """The `live` replicas that were sent the longest prefix of `hashes`, and its length in
-        blocks. A replica counts at depth i only if it also holds depths 0..i-1 (a prefix cache
-        reuses a chain of blocks from the start)."""
+    def longest_match(
+        self, hashes: list[bytes], live: Collection[str] | None = None
+    ) -> tuple[list[str], int]:
+        """The replicas (of `live`, if given) that were sent the longest prefix of `hashes`, and
+        its length in blocks. A replica counts at depth i only if it also holds depths 0..i-1
+        (a prefix cache reuses a chain of blocks from the start)."""
         best: list[str] = []
         depth = 0
         for h in hashes:
-            holders = self._holders.get(h)
-            here = [r for r in (holders or ()) if r in live and (not depth or r in best)]
+            holders = self._holders.get(h) or ()
+            here = [r for r in holders if (live is None or r in live) and (not depth or r in best)]
             if not here:
                 break
             best, depth = here, depth + 1
@@ -120,6 +123,10 @@ class PrefixAffinityRouter(RequestRouter):
         self._in_flight: dict[str, int] = {}  # replica id -> calls this router has open there
         self._routed: dict[str, str] = {}  # internal request id -> replica id
         self._known: set[str] = set()
+        self.outcomes: Counter[str] = Counter()  # as exported in `pdserve_prefix_routing_total`
+        self._outcome_metric = pool_metric(
+            "pdserve_prefix_routing_total", self._deployment_id.name.lower()
+        )
 
     async def choose_replicas(
         self,
@@ -161,6 +168,9 @@ class PrefixAffinityRouter(RequestRouter):
         hashes = self._prompt_hashes(pending_request)
         with self._lock:
             if hashes:
+                outcome = self._outcome(hashes, replica)
+                self.outcomes[outcome] += 1
+                self._outcome_metric.inc(tags={"outcome": outcome})
                 self.index.record(hashes, replica)
             if rid not in self._routed:
                 self._routed[rid] = replica
@@ -181,6 +191,13 @@ class PrefixAffinityRouter(RequestRouter):
         if request is None:
             return []
         return prompt_block_hashes(request.prompt_token_ids, self.block_size, MAX_HASHED_BLOCKS)
+
+    def _outcome(self, hashes: list[bytes], replica: str) -> str:
+        """Before recording: did the call go where the index says its prefix is?"""
+        holders, depth = self.index.longest_match(hashes)  # departed replicas are forgotten
+        if not depth or depth < MIN_MATCH_SHARE * len(hashes):
+            return "new_prefix"
+        return "cached_prefix" if replica in holders else "spilled"
 
     def _load(self, replica: RunningReplica) -> int:
         """Calls open at the replica: this router's own count, or what Serve last heard from the

@@ -308,6 +308,7 @@ def test_interleaved_prefixes_each_go_back_to_the_replica_that_cached_them(apps)
     rng = random.Random(7)
     prefixes = [[rng.randrange(20, 4000) for _ in range(48)] for _ in range(4)]
     replica_of: dict[int, set[str]] = {}
+    before = _prefix_routing(apps.metrics_port, PD).get("cached_prefix", 0)
     for round_ in range(3):
         for i, prefix in enumerate(prefixes):
             ids = [*prefix, 10 + round_, 10 + i]
@@ -316,6 +317,29 @@ def test_interleaved_prefixes_each_go_back_to_the_replica_that_cached_them(apps)
             replica_of.setdefault(i, set()).add(last.timing.prefill_replica)
     assert all(len(replicas) == 1 for replicas in replica_of.values()), replica_of
     wait_for_idle(apps, PD, {"prefill", "decode"})
+    # The router counted its placements (Prometheus): these 8 repeats went to their prefix.
+    deadline = time.monotonic() + 60
+    while (placed := _prefix_routing(apps.metrics_port, PD)).get("cached_prefix", 0) < before + 8:
+        assert time.monotonic() < deadline, (before, placed)
+        time.sleep(1.0)
+
+
+def _prefix_routing(metrics_port: int, app: str) -> dict[str, float]:
+    """`pdserve_prefix_routing_total` of the app's prefill pool, by outcome, from Prometheus."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+    return {
+        s.labels["outcome"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "ray_pdserve_prefix_routing"
+        for s in f.samples
+        if s.name.endswith("_total")
+        and s.labels.get("application") == app
+        and s.labels.get("pool") == "prefill"
+    }
 
 
 def test_logprobs_over_grpc_and_openai_match_transformers(apps, tokenizer_model_dir, hf):

@@ -195,6 +195,18 @@ def test_replicas_that_left_the_pool_are_forgotten():
     assert choose(router, pool, call(prefix)) == choose(make_router(), pool, call(prefix))
 
 
+def test_each_placed_prompt_is_counted_by_outcome():
+    router, pool = make_router(), replicas("A", "B")
+    prefix = list(range(1100, 1112))
+    send(router, pool, call(prefix + [1]), "A")  # nothing known
+    send(router, pool, call(prefix + [2]), "A")  # back where its prefix went
+    send(router, pool, call(prefix + [3]), "B")  # A held it, B got it (A was busy)
+    send(router, pool, call(prefix[:4] + [9] * 8), "A")  # a third of it matched: as new
+    meta = RequestMetadata(request_id="s", internal_request_id="s", call_method="stats")
+    send(router, pool, PendingRequest([], {}, meta, future=LOOP.create_future()), "A")
+    assert router.outcomes == {"new_prefix": 2, "cached_prefix": 1, "spilled": 1}
+
+
 def test_calls_without_a_request_are_routed_by_load_alone():
     router, pool = make_router(), replicas("A", "B", "C")
     meta = RequestMetadata(request_id="s", internal_request_id="s", call_method="stats")

@@ -18,3 +18,16 @@ def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: list[int], num_blocks: int, block_size: int
+) -> list[bytes]:
+    """Grow `hashes`, the chained hashes of the first full blocks of `token_ids`, in place to
+    the first `num_blocks`, and return it. The engine's cache and the routers' prefix index
+    both hash prompts with this, so their hashes of a prompt are the same."""
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else ROOT
+        hashes.append(block_hash(parent, token_ids[i * block_size : (i + 1) * block_size]))
+    return hashes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from cluster.prefix_hash import ROOT, block_hash
+from cluster.prefix_hash import extend_block_hashes
 from cluster.request import FinishReason, Request
 
 
@@ -63,11 +63,7 @@ class Sequence:
     def block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
         """Content hashes of the first `num_blocks` full blocks of `token_ids` (tokens are only
         ever appended, so the hashes of earlier blocks never change)."""
-        hashes = self._block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT
-            hashes.append(block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+        hashes = extend_block_hashes(self._block_hashes, self.token_ids, num_blocks, block_size)
         return hashes[:num_blocks]
 
     def append_token(self, token_id: int, max_model_len: int) -> FinishReason | None:

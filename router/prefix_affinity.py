@@ -34,7 +34,7 @@ from collections.abc import Collection, Iterable
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.metrics import pool_metric
-from cluster.prefix_hash import ROOT, block_hash
+from cluster.prefix_hash import extend_block_hashes
 from cluster.request import Request
 
 # A prompt's first 64 full blocks (1024 tokens with 16-token blocks) decide its replica: a
@@ -52,11 +52,7 @@ KEY_BLOCKS = 4
 
 def prompt_block_hashes(token_ids: list[int], block_size: int, limit: int) -> list[bytes]:
     """Chained hashes of the first `limit` full blocks of a prompt (as the engine's cache)."""
-    hashes, parent = [], ROOT
-    for start in range(0, min(len(token_ids) // block_size, limit) * block_size, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+    return extend_block_hashes([], token_ids, min(len(token_ids) // block_size, limit), block_size)
 
 
 class PrefixIndex:

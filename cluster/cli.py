@@ -63,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--target", default="127.0.0.1:9000")
     st.add_argument("--application", default=None, help="Serve application (if several)")
     st.set_defaults(func=lambda a: _status(a.target, a.application))
+
+    from cluster import bench_cli
+
+    bn = sub.add_parser("bench", help="send a workload (trace or synthetic) and report latencies")
+    bench_cli.add_arguments(bn)
+    bn.set_defaults(func=bench_cli.bench_main)
+    ph = sub.add_parser("phases", help="which phase dominates a workload, predicted and measured")
+    bench_cli.add_arguments(ph, slo=False)
+    ph.set_defaults(func=bench_cli.phases_main)
     return p
 
 

@@ -22,40 +22,8 @@ from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.pool_messages import DecodeRequest
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
-from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
-
-PD, CO = "pd", "co"
-ENGINE_CORE = (max(os.sched_getaffinity(0)),)
-
-
-@pytest.fixture(scope="module")
-def apps(ray_serve, tokenizer_model_dir):
-    from ray import serve
-
-    from cluster.config import TransferConfig
-
-    base = small_app_config(str(tokenizer_model_dir))
-    two = replace(base.prefill, replicas=2)
-    deploy(
-        replace(
-            base,
-            prefill=two,
-            decode=replace(base.decode, replicas=2),
-            transfer=TransferConfig(lease_seconds=4.0),
-        ),
-        PD,
-        "/pd",
-    )
-    # The colocated engine runs on its own core (the last one), its replica's other threads
-    # wherever Ray put them.
-    deploy(
-        replace(base, mode="colocated", decode=replace(base.decode, engine_cpus=ENGINE_CORE)),
-        CO,
-        "/co",
-    )
-    yield ray_serve
-    serve.delete(PD)
-    serve.delete(CO)
+from tests.e2e.conftest import CO, ENGINE_CORE, PD
+from tests.ray_fixtures import app_metadata, stub, wait_for_idle
 
 
 def generate(ends, app: str, **fields) -> tuple[list[pb.GenerateResponse], list[float]]:

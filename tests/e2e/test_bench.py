@@ -1,0 +1,81 @@
+"""`pdserve bench` and `pdserve phases` against the session's apps: a real local Ray, the real
+gRPC proxy and engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from cluster.bench_summary import BenchSummary
+from cluster.cli import main
+from cluster.load_generator import run_workload
+from cluster.workload import Workload, WorkloadRequest, synthetic_workload
+from tests.conftest import SHARED_PREFIX_TRACE, write_trace
+from tests.e2e.conftest import CO, PD
+from tests.ray_fixtures import wait_for_idle
+
+
+def run_cli(capsys, *args: str) -> dict:
+    assert main(list(args)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_replays_a_trace_with_its_shared_prefixes(apps, tmp_path, capsys):
+    trace = write_trace(tmp_path / "trace.jsonl", SHARED_PREFIX_TRACE)
+    out = run_cli(
+        capsys, "bench", "--target", apps.grpc_target, "--application", PD,
+        "--trace", str(trace), "--length-scale", str(1 / 32), "--json",
+    )  # fmt: skip
+    assert out["completed"] == out["requests"] == 6 and out["failures"] == {}
+    assert out["output_tokens"] == sum(m for _, _, m, _ in SHARED_PREFIX_TRACE)
+    assert out["prompt_tokens"] == 48 + 48 + 32 + 61 + 32 + 16
+    # Requests 2 and 4 could reuse 32 tokens, request 5 16; prefix-affinity routing sends
+    # each back to the replica that cached them.
+    assert out["reusable_prompt_tokens"] == 32 + 32 + 16
+    assert out["cached_prompt_tokens"] == out["reusable_prompt_tokens"]
+    assert out["ttft"]["n"] == 6 and out["tpot"]["n"] == 5  # the 1-token answer has no TPOT
+    assert out["itl"]["n"] == sum(m - 1 for _, _, m, _ in SHARED_PREFIX_TRACE)
+    assert sum(out["phases_mean_s"].values()) == pytest.approx(out["e2e"]["mean_s"])
+    assert sum(out["prefill_replicas"].values()) == sum(out["decode_replicas"].values()) == 6
+    assert "trace of 6 requests" in out["workload"]
+    wait_for_idle(apps, PD, {"prefill", "decode"})
+
+
+def test_a_failed_request_is_counted_and_the_others_are_served(apps):
+    good = synthetic_workload(3, 20, 5, vocab_size=1000, seed=11).requests
+    bad = WorkloadRequest(0.0, (10**6,), 5)  # a token id past the vocabulary
+    records = asyncio.run(
+        run_workload(apps.grpc_target, Workload((*good, bad), "mixed"), application=CO)
+    )
+    s = BenchSummary.of(records)
+    assert (s.completed, s.failures) == (3, {"INVALID_ARGUMENT": 1})
+    assert records[3].error and records[3].output_tokens == 0
+    assert [r.output_tokens for r in records[:3]] == [5, 5, 5]
+    # Colocated: no KV moves, one replica does both phases.
+    assert s.phase_mean_s["kv_transfer"] == 0.0
+    assert all(r.timing.prefill_replica == r.timing.decode_replica for r in records[:3])
+    wait_for_idle(apps, CO, {"colocated"})
+
+
+def test_phases_names_the_dominant_phase_predicted_and_measured(apps, capsys):
+    target = ("--target", apps.grpc_target, "--application", PD, "--json")
+    for input_len, output_len, dominant in [(16, 48, "decode"), (1536, 2, "prefill")]:
+        out = run_cli(
+            capsys, "phases", *target, "--input-len", str(input_len),
+            "--output-len", str(output_len), "--num-requests", "2", "--max-concurrency", "1",
+        )  # fmt: skip
+        assert out["predicted_dominant_phase"] == dominant, out
+        assert out["measured"]["dominant_phase"] == dominant, out
+        assert out["measured"]["completed"] == 2 and out["measured"]["cached_prompt_tokens"] == 0
+        model = out["model"]
+        assert model["prefill_s"][1] > 0 and model["decode_per_token_s"] > 0
+    wait_for_idle(apps, PD, {"prefill", "decode"})
+
+
+def test_bench_refuses_a_bad_trace_before_sending_anything(apps, tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 5}\n')
+    with pytest.raises(SystemExit, match="missing field 'output_length'"):
+        main(["bench", "--target", apps.grpc_target, "--application", PD, "--trace", str(trace)])

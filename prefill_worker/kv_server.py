@@ -6,7 +6,8 @@
 Both check, before anything is read: the handle is well formed, its capability token is genuine
 (UNAUTHENTICATED), the receiver's layout and the handle's equal ours (FAILED_PRECONDITION), and
 the lease is live (NOT_FOUND: released, expired or unknown). The lease is pinned for the whole
-transfer (`LeaseKeeper.begin_fetch` / `end_fetch`) and blocks are read on the engine thread.
+transfer (`LeaseKeeper.begin_fetch` / `end_fetch`), so its blocks can be read on a worker
+thread while the engine thread runs its steps: a fetch never waits for a prefill step to end.
 Fetching does not end the lease; the client calls `ReleaseKV`.
 
 Channels are cached by id and closed after `channel_idle_s` without a transfer, or as soon as
@@ -20,7 +21,6 @@ import datetime
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from functools import partial
 
 import grpc
 import torch
@@ -207,7 +207,9 @@ class KVServer(KVTransferServicer):
         try:
             if channel is None or not await channel.joined or channel.closed:
                 raise ChannelGone(f"no open KV channel {request.channel_id!r}; open a new one")
-            k, v = await self.engine.call(partial(_read_for_send, rid, block_ids, channel.device))
+            k, v = await asyncio.to_thread(
+                _read_for_send, rid, block_ids, channel.device, self.engine.engine
+            )
         except BaseException as exc:
             if channel is not None:
                 channel.busy -= 1
@@ -305,9 +307,9 @@ class KVServer(KVTransferServicer):
     async def _frames(
         self, request_id: str, block_ids: list[int], max_chunk_bytes: int
     ) -> AsyncIterator[bytes]:
-        """The lease's chunks in wire form. A producer task reads them out of the pool (on the
-        engine thread, up to `read_batch_bytes` per call) and frames them (on a worker thread)
-        while earlier chunks are sent; at most two framed chunks wait for the socket."""
+        """The lease's chunks in wire form. A producer task reads them out of the pool and
+        frames them (on a worker thread, up to `read_batch_bytes` per call) while earlier chunks
+        are sent; at most two framed chunks wait for the socket."""
         frames: asyncio.Queue[bytes | Exception | None] = asyncio.Queue(maxsize=2)
         producer = asyncio.create_task(
             self._produce(request_id, block_ids, max_chunk_bytes, frames)
@@ -335,22 +337,35 @@ class KVServer(KVTransferServicer):
             per_read = max(1, self.read_batch_bytes // max_chunk_bytes)
             for i in range(0, len(ranges), per_read):
                 batch = ranges[i : i + per_read]
-                pieces = await self.engine.call(partial(_read, request_id, block_ids, batch))
-                for r, data in zip(batch, pieces, strict=True):
-                    await frames.put(await asyncio.to_thread(_frame, r, data, self.layout.dtype))
+                framed = await asyncio.to_thread(
+                    _read_frames, request_id, block_ids, batch, self.engine.engine
+                )
+                for frame in framed:
+                    await frames.put(frame)
             await frames.put(None)
         except Exception as exc:  # handed to the stream, which fails the RPC with it
             await frames.put(exc)
 
 
-def _read(request_id: str, block_ids: list[int], ranges: list[ChunkRange], engine: Engine):
-    """On the engine thread: copy the chunks `ranges` of the lease's blocks out of the pool."""
+# The readers below run on worker threads, beside the engine thread, and only between a
+# lease's `begin_fetch` and `end_fetch`: while it is pinned the engine neither frees nor reuses
+# its blocks, and nothing writes them (a held sequence's prompt is complete; its full blocks
+# are shared read-only through the prefix cache), so the copies see settled data while the
+# engine writes other blocks of the same pool.
+
+
+def _read_frames(
+    request_id: str, block_ids: list[int], ranges: list[ChunkRange], engine: Engine
+) -> list[bytes]:
+    """The chunks `ranges` of the lease's blocks, copied out of the pool, in wire form."""
     _check_held(request_id, block_ids, engine)
-    return gather_chunks(engine.kv_cache.k, engine.kv_cache.v, block_ids, ranges)
+    pieces = gather_chunks(engine.kv_cache.k, engine.kv_cache.v, block_ids, ranges)
+    return [_frame(r, data, engine.layout.dtype) for r, data in zip(ranges, pieces, strict=True)]
 
 
 def _check_held(request_id: str, block_ids: list[int], engine: Engine) -> None:
-    """On the engine thread, before a read: the blocks are still the lease's own."""
+    """Before a read: the engine still holds the lease's sequence on these very blocks (one
+    lookup, made under the GIL; the pin keeps the answer true for the rest of the read)."""
     held, _ = engine.held_blocks(request_id)
     if held != block_ids:
         raise NotFound(f"the KV blocks of request {request_id!r} are no longer held")
@@ -361,8 +376,8 @@ def _frame(r: ChunkRange, data, dtype: str) -> bytes:
 
 
 def _read_for_send(request_id: str, block_ids: list[int], device: torch.device, engine: Engine):
-    """On the engine thread: the lease's blocks as two contiguous tensors on `device` (the
-    pool's own device under nccl: no host copy), complete before any other stream reads them."""
+    """The lease's blocks as two contiguous tensors on `device` (the pool's own device under
+    nccl: no host copy), complete before any other stream reads them."""
     _check_held(request_id, block_ids, engine)
     k, v = engine.kv_cache.read(block_ids)
     k, v = k.to(device), v.to(device)

@@ -5,11 +5,15 @@ mints its capability token. The blocks stay pinned until exactly one of:
   (a) `release(rid, "fetched")` - the decode worker holds the data;
   (b) `release(rid, "aborted")` - the router gave up on the request;
   (c) the lease expires (`expire_now`, run every interval by the expiry task).
-Then the keeper frees them on the engine thread (`Engine.release`) and counts the reason.
-A fetch brackets its reads with `begin_fetch` / `end_fetch`: while one is in flight, expiry
-skips the lease and a release is deferred until the fetch ends, so blocks are never freed
-under a reader. `begin_fetch` refuses a lease that is past its expiry even if the expiry task
-has not run yet, so a late fetch never reads blocks that may have been reused.
+Then the keeper counts the reason and frees them on the engine thread (`Engine.release`);
+`release` returns once the lease is ended, without waiting for the engine thread to get to
+the free (a busy engine is between steps only now and then), and `outstanding` / `drain`
+count the lease until its blocks are free. A fetch brackets its reads with `begin_fetch` /
+`end_fetch`: while one is in flight, expiry skips the lease and a release is deferred until
+the fetch ends, so blocks are never freed under a reader (the reads need not run on the
+engine thread: nothing else frees, reuses or writes a pinned lease's blocks). `begin_fetch`
+refuses a lease that is past its expiry even if the expiry task has not run yet, so a late
+fetch never reads blocks that may have been reused.
 
 Runs on one event loop; not thread-safe.
 """
@@ -91,7 +95,7 @@ class LeaseKeeper:
             raise Unauthenticated(f"bad capability token for request {request_id!r}")
         if self.clock() >= lease.expiry:
             if lease.fetches == 0:
-                lease.freeing = "expired"
+                self._end(lease, "expired")
                 await self._free(request_id, lease)
             raise NotFound(f"the KV lease of request {request_id!r} expired")
         lease.fetches += 1
@@ -104,15 +108,14 @@ class LeaseKeeper:
             return
         lease.fetches -= 1
         if lease.fetches == 0 and lease.freeing is not None:
-            task = asyncio.get_running_loop().create_task(self._free(request_id, lease))
-            self._frees.add(task)
-            task.add_done_callback(self._frees.discard)
+            self._free_soon(request_id, lease)
 
     # -- ending leases ---------------------------------------------------------------------
 
     async def release(self, request_id: str, reason: str, token: bytes | None = None) -> bool:
         """End a lease ("fetched" or "aborted"). True if this call ended a live lease; False
-        if there was none. With `token`, a wrong one raises Unauthenticated. Idempotent."""
+        if there was none. With `token`, a wrong one raises Unauthenticated. Idempotent. The
+        blocks are freed in the background, at once or when the fetch in flight ends."""
         if reason not in ("fetched", "aborted"):
             raise InvalidArgument(f"release reason must be fetched or aborted, got {reason!r}")
         lease = self._leases.get(request_id)
@@ -120,9 +123,9 @@ class LeaseKeeper:
             return False
         if token is not None and not _same_token(lease.token, token):
             raise Unauthenticated(f"bad capability token for request {request_id!r}")
-        lease.freeing = reason
+        self._end(lease, reason)
         if lease.fetches == 0:  # else end_fetch frees the blocks
-            await self._free(request_id, lease)
+            self._free_soon(request_id, lease)
         return True
 
     async def expire_now(self) -> int:
@@ -136,7 +139,7 @@ class LeaseKeeper:
         freed = 0
         for rid, lease in due:
             if lease.freeing is None and lease.fetches == 0:  # unchanged while we awaited
-                lease.freeing = "expired"
+                self._end(lease, "expired")
                 await self._free(rid, lease)
                 freed += 1
         return freed
@@ -158,14 +161,23 @@ class LeaseKeeper:
         finally:
             if self._leases.get(request_id) is lease:
                 del self._leases[request_id]
-                if lease.freeing == "fetched":
-                    self.fetched += 1
-                elif lease.freeing == "expired":
-                    self.expired += 1
-                else:
-                    self.aborted += 1
             if not self._leases:
                 self._empty.set()
+
+    def _end(self, lease: _Lease, reason: str) -> None:
+        """Decide a lease's end (once): no fetch may begin after this; counted by reason."""
+        lease.freeing = reason
+        if reason == "fetched":
+            self.fetched += 1
+        elif reason == "expired":
+            self.expired += 1
+        else:
+            self.aborted += 1
+
+    def _free_soon(self, request_id: str, lease: _Lease) -> None:
+        task = asyncio.get_running_loop().create_task(self._free(request_id, lease))
+        self._frees.add(task)
+        task.add_done_callback(self._frees.discard)
 
     # -- background expiry and shutdown ----------------------------------------------------
 

@@ -4,6 +4,7 @@ prefill engine, a GrpcKVClient, and a real decode engine that imports the KV and
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -129,7 +130,7 @@ async def pair(
     p = Pair(prefill, decode, leases, server, client, endpoint)
     try:
         yield p
-        assert leases.outstanding() == 0
+        assert await leases.drain(5.0), "a lease was never freed"  # frees run in the background
         assert await p.used_blocks() == (0, 0), "KV blocks leaked"
     finally:
         await client.close()
@@ -363,6 +364,31 @@ def test_corrupted_or_mislabelled_chunks_are_refused_as_unavailable(
             monkeypatch.setattr(kv_server, "_frame", good_frame)
             assert p.leases.outstanding() == 1
             assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
+
+    run(main())
+
+
+def test_a_fetch_and_its_release_do_not_wait_for_a_busy_engine_thread(llama_dir: Path) -> None:
+    """While the prefill engine thread is stuck in a long step, a fetch streams the whole KV
+    and `ReleaseKV` answers; the blocks are freed when the thread gets to it."""
+
+    async def main() -> None:
+        async with pair(llama_dir) as p:
+            ids = prompt(40, 12)
+            handle = await p.prefill_handle("r1", ids)
+            want = await p.prefill.call(lambda e: e.export_kv("r1"))
+            gate = threading.Event()
+            busy = asyncio.ensure_future(p.prefill.call(lambda e: gate.wait(30)))
+            try:
+                got = await asyncio.wait_for(p.client.fetch(handle, p.decode.engine.layout), 10)
+                assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+                assert await asyncio.wait_for(p.client.release(handle, "fetched"), 10)
+                assert p.leases.fetched == 1 and p.leases.outstanding() == 1  # not yet freed
+                assert not busy.done()
+            finally:
+                gate.set()
+            await busy
+            assert await p.leases.drain(5.0) and (await p.used_blocks())[0] == 0
 
     run(main())
 

@@ -137,8 +137,8 @@ def phases_main(args: argparse.Namespace) -> int:
             {
                 "workload": workload.description,
                 "model": {
-                    "prefill_s": [model.prefill.intercept, model.prefill.slope],
-                    "kv_transfer_s": [model.kv_transfer.intercept, model.kv_transfer.slope],
+                    "prefill_s_coeffs": list(model.prefill.coeffs),
+                    "kv_transfer_s_coeffs": list(model.kv_transfer.coeffs),
                     "proxy_s": model.proxy_s,
                     "routing_s": model.routing_s,
                     "decode_per_token_s": model.decode_per_token_s,
@@ -168,10 +168,9 @@ def render_phases(
     total_m = sum(measured.phase_mean_s.values())
     mean_prompt = round(workload.prompt_tokens / len(workload.requests))
     lines = [
-        "Fitted from probe requests sent one at a time (no queue, no cache): prefill "
-        f"{model.prefill.intercept * 1e3:.1f} ms + {model.prefill.slope * 1e6:.1f} us per prompt "
-        f"token; KV transfer {model.kv_transfer.intercept * 1e3:.1f} ms + "
-        f"{model.kv_transfer.slope * 1e6:.2f} us per prompt token; proxy "
+        "Fitted from probe requests sent one at a time (no queue, no cache), n = prompt "
+        f"tokens: prefill {model.prefill.describe('n')}; KV transfer "
+        f"{model.kv_transfer.describe('n')}; proxy "
         f"{model.proxy_s * 1e3:.1f} ms; routing {model.routing_s * 1e3:.1f} ms; decode "
         f"{model.decode_per_token_s * 1e3:.2f} ms per output token after the first.",
         "",

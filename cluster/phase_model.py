@@ -1,5 +1,6 @@
-"""A model of where one request's time goes, fitted to a running cluster: prefill and KV
-transfer time linear in the prompt length, decode time linear in the output length, fixed
+"""A model of where one request's time goes, fitted to a running cluster: prefill time
+quadratic in the prompt length (attention reads all the prompt before each token), KV
+transfer time linear in it, decode time linear in the output length, fixed
 costs for the proxy and the router's hops. `pdserve phases` fits it with a few probe
 requests sent one at a time, predicts each phase for a workload's requests, then measures
 the same workload and shows both.
@@ -11,9 +12,12 @@ between the two columns is that effect.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass
+
+import numpy as np
 
 from cluster.bench_summary import PHASES, phase_seconds
 from cluster.load_generator import RequestRecord
@@ -24,30 +28,48 @@ DECODE_PROBE_TOKENS = 32
 
 
 @dataclass(frozen=True)
-class Line:
-    """seconds = intercept + slope * n, fitted by least squares."""
+class Curve:
+    """seconds = c0 + c1 * n + c2 * n^2 ..., each coefficient >= 0."""
 
-    intercept: float
-    slope: float
+    coeffs: tuple[float, ...]  # lowest power first
 
     def at(self, n: float) -> float:
-        return max(0.0, self.intercept + self.slope * n)
+        return max(0.0, sum(c * n**i for i, c in enumerate(self.coeffs)))
 
     @staticmethod
-    def fit(points: list[tuple[float, float]]) -> Line:
-        xs = [x for x, _ in points]
-        if len(set(xs)) < 2:
-            raise ValueError("a line needs points at two or more lengths")
-        mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-        return Line(my - slope * mx, slope)
+    def fit(points: list[tuple[float, float]], degree: int) -> Curve:
+        """Least squares with every coefficient >= 0 (a cost has no negative part): the best
+        fit over the subsets of powers 0..degree whose own fit is non-negative."""
+        xs = np.array([x for x, _ in points], dtype=float)
+        ys = np.array([y for _, y in points], dtype=float)
+        if len(set(xs.tolist())) <= degree:
+            raise ValueError(f"a degree-{degree} fit needs points at {degree + 1} or more lengths")
+        best, best_err = (0.0,) * (degree + 1), float(np.sum(ys**2))
+        for powers in itertools.chain.from_iterable(
+            itertools.combinations(range(degree + 1), k) for k in range(1, degree + 2)
+        ):
+            basis = np.stack([xs**p for p in powers], axis=1)
+            c, *_ = np.linalg.lstsq(basis, ys, rcond=None)
+            err = float(np.sum((basis @ c - ys) ** 2))
+            if (c >= 0).all() and err < best_err:
+                full = [0.0] * (degree + 1)
+                for p, v in zip(powers, c, strict=True):
+                    full[p] = float(v)
+                best, best_err = tuple(full), err
+        return Curve(best)
+
+    def describe(self, unit: str) -> str:
+        """E.g. "12.0 ms + 2.41 us x n + 0.0010 us x n^2", n in `unit`s."""
+        parts = [f"{self.coeffs[0] * 1e3:.1f} ms"]
+        for i, c in enumerate(self.coeffs[1:], 1):
+            parts.append(f"{c * 1e6:.4g} us x {unit}" + (f"^{i}" if i > 1 else ""))
+        return " + ".join(parts)
 
 
 @dataclass(frozen=True)
 class PhaseModel:
-    prefill: Line  # seconds for a prompt of n tokens
-    kv_transfer: Line  # seconds to move a prompt of n tokens' KV (zero when colocated)
+    prefill: Curve  # seconds for a prompt of n tokens: quadratic (attention over the prompt)
+    kv_transfer: Curve  # seconds to move a prompt of n tokens' KV (zero when colocated): linear
     proxy_s: float  # the client's time outside the router (Serve's gRPC proxy, the network)
     routing_s: float  # the rest of the time to first token: the router's hops
     decode_per_token_s: float  # per output token after the first, one request alone
@@ -87,8 +109,8 @@ class PhaseModel:
             raise ValueError(f"the probe requests did not finish (status: {sorted(failed)})")
         split = [(r, phase_seconds(r)) for r in short]
         return PhaseModel(
-            prefill=Line.fit([(r.prompt_tokens, p["prefill"]) for r, p in split]),
-            kv_transfer=Line.fit([(r.prompt_tokens, p["kv_transfer"]) for r, p in split]),
+            prefill=Curve.fit([(r.prompt_tokens, p["prefill"]) for r, p in split], 2),
+            kv_transfer=Curve.fit([(r.prompt_tokens, p["kv_transfer"]) for r, p in split], 1),
             proxy_s=statistics.median(p["proxy"] for _, p in split),
             routing_s=statistics.median(p["routing"] for _, p in split),
             decode_per_token_s=statistics.median(

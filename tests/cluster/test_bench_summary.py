@@ -7,7 +7,7 @@ import pytest
 
 from cluster.bench_summary import PHASES, BenchSummary, percentile, phase_seconds
 from cluster.load_generator import PhaseTiming, RequestRecord
-from cluster.phase_model import PROBE_OUTPUT_TOKENS, Line, PhaseModel
+from cluster.phase_model import PROBE_OUTPUT_TOKENS, Curve, PhaseModel
 
 
 def record(
@@ -80,11 +80,12 @@ def test_summary_counts_latencies_failures_cache_and_replicas():
 
 
 def test_phase_model_recovers_a_linear_cluster():
-    """Probe records made from a known cluster: prefill 5 ms + 0.2 ms/token, KV 1 ms +
-    0.01 ms/token, routing 3 ms, proxy 2 ms, decode 4 ms/token."""
+    """Probe records made from a known cluster: prefill 5 ms + 0.2 ms/token + 0.2 us/token^2,
+    KV 1 ms + 0.01 ms/token, routing 3 ms, proxy 2 ms, decode 4 ms/token."""
 
     def probe(n_prompt: int, n_out: int) -> RequestRecord:
-        prefill, kv = 0.005 + 0.0002 * n_prompt, 0.001 + 0.00001 * n_prompt
+        prefill = 0.005 + 0.0002 * n_prompt + 2e-7 * n_prompt**2
+        kv = 0.001 + 0.00001 * n_prompt
         ttft = prefill + 0.003
         total = ttft + kv + 0.004 * (n_out - 1)
         times = [0.002 + ttft + (kv if k else 0) + 0.004 * k for k in range(n_out)]
@@ -93,19 +94,31 @@ def test_phase_model_recovers_a_linear_cluster():
 
     probes = [probe(n, PROBE_OUTPUT_TOKENS) for n in (16, 64, 128, 256)] + [probe(16, 32)]
     m = PhaseModel.fit(probes)
-    assert m.prefill.intercept == pytest.approx(0.005) and m.prefill.slope == pytest.approx(2e-4)
-    assert m.kv_transfer.slope == pytest.approx(1e-5)
+    assert m.prefill.coeffs == pytest.approx((0.005, 2e-4, 2e-7), rel=1e-6)
+    assert m.kv_transfer.coeffs == pytest.approx((0.001, 1e-5), rel=1e-6)
     assert m.routing_s == pytest.approx(0.003) and m.proxy_s == pytest.approx(0.002)
     assert m.decode_per_token_s == pytest.approx(0.004)
     p = m.predict(100, 11)
-    assert p["prefill"] == pytest.approx(0.025) and p["decode"] == pytest.approx(0.04)
+    assert p["prefill"] == pytest.approx(0.027) and p["decode"] == pytest.approx(0.04)
     assert m.predict(100, 1)["kv_transfer"] == 0.0  # a one-token answer never moves its KV
-    # prefill + KV at 100 tokens: 25 + 2 ms = 6.75 decode steps; 8 outputs take 7 steps.
-    assert m.decode_overtakes_at(100) == 8
+    # prefill + KV at 100 tokens: 27 + 2 ms = 7.25 decode steps; 9 outputs take 8 steps.
+    assert m.decode_overtakes_at(100) == 9
+    assert "5.0 ms + 200 us x n + 0.2 us x n^2" == m.prefill.describe("n")
 
 
 def test_phase_model_needs_finished_probes_of_both_kinds():
     with pytest.raises(ValueError, match="did not finish"):
         PhaseModel.fit([record(0, 0.0, [], status="UNAVAILABLE")])
-    with pytest.raises(ValueError, match="two or more lengths"):
-        Line.fit([(16, 0.1), (16, 0.2)])
+    with pytest.raises(ValueError, match="3 or more lengths"):
+        Curve.fit([(16, 0.1), (32, 0.2), (16, 0.3)], 2)
+
+
+def test_curve_fits_keep_every_cost_non_negative():
+    # Noisy prefill times whose plain least-squares quadratic has a negative linear term.
+    points = [(16, 0.30), (384, 0.40), (768, 1.90), (1536, 7.20), (16, 0.25), (1536, 6.8)]
+    plain = np.polyfit([x for x, _ in points], [y for _, y in points], 2)
+    assert plain[1] < 0  # the case this guards against
+    curve = Curve.fit(points, 2)
+    assert all(c >= 0 for c in curve.coeffs), curve
+    assert curve.at(1536) == pytest.approx(7.0, rel=0.1)
+    assert curve.at(16) == pytest.approx(0.275, abs=0.2)

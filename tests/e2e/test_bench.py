@@ -61,6 +61,7 @@ def test_a_failed_request_is_counted_and_the_others_are_served(apps):
 
 def test_phases_names_the_dominant_phase_predicted_and_measured(apps, capsys):
     target = ("--target", apps.grpc_target, "--application", PD, "--json")
+    outs = {}
     for input_len, output_len, dominant in [(16, 48, "decode"), (1536, 2, "prefill")]:
         out = run_cli(
             capsys, "phases", *target, "--input-len", str(input_len),
@@ -69,8 +70,10 @@ def test_phases_names_the_dominant_phase_predicted_and_measured(apps, capsys):
         assert out["predicted_dominant_phase"] == dominant, out
         assert out["measured"]["dominant_phase"] == dominant, out
         assert out["measured"]["completed"] == 2 and out["measured"]["cached_prompt_tokens"] == 0
-        model = out["model"]
-        assert model["prefill_s"][1] > 0 and model["decode_per_token_s"] > 0
+        assert out["model"]["decode_per_token_s"] > 0
+        outs[dominant] = out["predicted_mean_s"]
+    assert outs["prefill"]["prefill"] > outs["decode"]["prefill"]
+    assert outs["decode"]["decode"] > outs["prefill"]["decode"]
     wait_for_idle(apps, PD, {"prefill", "decode"})
 
 

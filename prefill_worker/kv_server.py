@@ -307,8 +307,8 @@ class KVServer(KVTransferServicer):
     async def _frames(
         self, request_id: str, block_ids: list[int], max_chunk_bytes: int
     ) -> AsyncIterator[bytes]:
-        """The lease's chunks in wire form. A producer task reads them out of the pool and
-        frames them (on a worker thread, up to `read_batch_bytes` per call) while earlier chunks
+        """The lease's chunks in wire form. A producer task reads them out of the pool (up to
+        `read_batch_bytes` per call) and frames them, on worker threads, while earlier chunks
         are sent; at most two framed chunks wait for the socket."""
         frames: asyncio.Queue[bytes | Exception | None] = asyncio.Queue(maxsize=2)
         producer = asyncio.create_task(
@@ -337,11 +337,11 @@ class KVServer(KVTransferServicer):
             per_read = max(1, self.read_batch_bytes // max_chunk_bytes)
             for i in range(0, len(ranges), per_read):
                 batch = ranges[i : i + per_read]
-                framed = await asyncio.to_thread(
-                    _read_frames, request_id, block_ids, batch, self.engine.engine
+                pieces = await asyncio.to_thread(
+                    _read, request_id, block_ids, batch, self.engine.engine
                 )
-                for frame in framed:
-                    await frames.put(frame)
+                for r, data in zip(batch, pieces, strict=True):
+                    await frames.put(await asyncio.to_thread(_frame, r, data, self.layout.dtype))
             await frames.put(None)
         except Exception as exc:  # handed to the stream, which fails the RPC with it
             await frames.put(exc)
@@ -354,13 +354,10 @@ class KVServer(KVTransferServicer):
 # engine writes other blocks of the same pool.
 
 
-def _read_frames(
-    request_id: str, block_ids: list[int], ranges: list[ChunkRange], engine: Engine
-) -> list[bytes]:
-    """The chunks `ranges` of the lease's blocks, copied out of the pool, in wire form."""
+def _read(request_id: str, block_ids: list[int], ranges: list[ChunkRange], engine: Engine):
+    """Copies of the chunks `ranges` of the lease's blocks, out of the pool."""
     _check_held(request_id, block_ids, engine)
-    pieces = gather_chunks(engine.kv_cache.k, engine.kv_cache.v, block_ids, ranges)
-    return [_frame(r, data, engine.layout.dtype) for r, data in zip(ranges, pieces, strict=True)]
+    return gather_chunks(engine.kv_cache.k, engine.kv_cache.v, block_ids, ranges)
 
 
 def _check_held(request_id: str, block_ids: list[int], engine: Engine) -> None:

@@ -123,13 +123,15 @@ def phases_main(args: argparse.Namespace) -> int:
     longest = max(len(r.prompt_token_ids) for r in workload.requests)
     probes = probe_workload(info.max_context_length, info.vocab_size, longest, seed=args.seed + 7)
     _warm_up(args, info)
-    model = PhaseModel.fit(
-        asyncio.run(
-            run_workload(
-                args.target, probes, args.application, max_concurrency=1, timeout_s=args.timeout
-            )
+    probed = asyncio.run(
+        run_workload(
+            args.target, probes, args.application, max_concurrency=1, timeout_s=args.timeout
         )
     )
+    try:
+        model = PhaseModel.fit(probed)
+    except ValueError as e:
+        raise SystemExit(f"phases: {e}") from None
     summary = BenchSummary.of(_run(args, workload))
     predicted = model.predict_mean(workload)
     if args.json:
@@ -199,6 +201,10 @@ def render_phases(
 
 
 def _setup(args: argparse.Namespace):
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise SystemExit("--max-concurrency must be >= 1")
+    if not args.timeout > 0:
+        raise SystemExit("--timeout must be > 0")
     if args.seed is None:
         args.seed = random.randrange(2**31)
     try:

@@ -167,6 +167,8 @@ class BenchSummary:
     def render(self) -> list[str]:
         """Markdown lines: totals, the latency table, the phase table."""
         failed = ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items())) or "none"
+        if not self.completed:
+            return [f"- requests: none of {self.requests} completed (failed: {failed})"]
         lines = [
             f"- requests: {self.completed} of {self.requests} completed (failed: {failed}) "
             f"in {self.duration_s:.2f} s: {self.request_throughput:.2f} requests/s, "

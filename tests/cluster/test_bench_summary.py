@@ -79,7 +79,13 @@ def test_summary_counts_latencies_failures_cache_and_replicas():
     assert s.to_json()["failures"] == {"RESOURCE_EXHAUSTED": 1}
 
 
-def test_phase_model_recovers_a_linear_cluster():
+def test_a_run_where_nothing_completed_says_so():
+    s = BenchSummary.of([record(0, 0.0, [], status="UNAVAILABLE")] * 2)
+    assert s.completed == 0 and s.failures == {"UNAVAILABLE": 2}
+    assert s.render() == ["- requests: none of 2 completed (failed: UNAVAILABLE 2)"]
+
+
+def test_phase_model_recovers_a_cluster_of_known_costs():
     """Probe records made from a known cluster: prefill 5 ms + 0.2 ms/token + 0.2 us/token^2,
     KV 1 ms + 0.01 ms/token, routing 3 ms, proxy 2 ms, decode 4 ms/token."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cluster.app import NODE_ENV_VARS, apply_node_env
 from cluster.cli import main
 from cluster.config import EngineConfig, ModelConfig
@@ -86,3 +88,16 @@ def test_serve_flag_turns_prefix_affinity_routing_off_for_the_prefilling_pools()
     assert off["Prefill"] == off["Decode"] == on["Decode"]
     colocated = routers(["--model", "unused", "--mode", "colocated"])
     assert colocated["Colocated"] == PREFIX_AFFINITY_ROUTER
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+        (["--timeout", "0"], "--timeout must be > 0"),
+    ],
+)
+@pytest.mark.parametrize("command", ["bench", "phases"])
+def test_bench_and_phases_refuse_bad_limits_before_calling_anyone(command, args, message):
+    with pytest.raises(SystemExit, match=message):
+        main([command, "--target", "127.0.0.1:1", *args])

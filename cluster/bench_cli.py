@@ -103,19 +103,8 @@ def bench_main(args: argparse.Namespace) -> int:
         None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
         None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
     )
-    if args.json:
-        report = json.dumps({"workload": workload.description, **summary.to_json()})
-    else:
-        report = "\n".join(
-            [
-                "# pdserve bench",
-                "",
-                *_header(args, info, workload),
-                *summary.render(),
-            ]
-        )
-    _publish(report, args.out)
-    return 0 if summary.completed else 1
+    data, body = summary.to_json(), summary.render()
+    return _emit(args, info, workload, "pdserve bench", data, body, summary.completed)
 
 
 def phases_main(args: argparse.Namespace) -> int:
@@ -134,33 +123,20 @@ def phases_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"phases: {e}") from None
     summary = BenchSummary.of(_run(args, workload))
     predicted = model.predict_mean(workload)
-    if args.json:
-        report = json.dumps(
-            {
-                "workload": workload.description,
-                "model": {
-                    "prefill_s_coeffs": list(model.prefill.coeffs),
-                    "kv_transfer_s_coeffs": list(model.kv_transfer.coeffs),
-                    "proxy_s": model.proxy_s,
-                    "routing_s": model.routing_s,
-                    "decode_per_token_s": model.decode_per_token_s,
-                },
-                "predicted_mean_s": predicted,
-                "predicted_dominant_phase": max(predicted, key=lambda k: predicted[k]),
-                "measured": summary.to_json(),
-            }
-        )
-    else:
-        report = "\n".join(
-            [
-                "# pdserve phases",
-                "",
-                *_header(args, info, workload),
-                *render_phases(model, predicted, summary, workload),
-            ]
-        )
-    _publish(report, args.out)
-    return 0 if summary.completed else 1
+    data = {
+        "model": {
+            "prefill_s_coeffs": list(model.prefill.coeffs),
+            "kv_transfer_s_coeffs": list(model.kv_transfer.coeffs),
+            "proxy_s": model.proxy_s,
+            "routing_s": model.routing_s,
+            "decode_per_token_s": model.decode_per_token_s,
+        },
+        "predicted_mean_s": predicted,
+        "predicted_dominant_phase": max(predicted, key=lambda k: predicted[k]),
+        "measured": summary.to_json(),
+    }
+    body = render_phases(model, predicted, summary, workload)
+    return _emit(args, info, workload, "pdserve phases", data, body, summary.completed)
 
 
 def render_phases(
@@ -248,6 +224,19 @@ def _header(args: argparse.Namespace, info, workload: Workload) -> list[str]:
            if any(r.clipped for r in workload.requests) else ""),
         "",
     ]  # fmt: skip
+
+
+def _emit(
+    args, info, workload: Workload, title: str, data: dict, body: list[str], completed: int
+) -> int:
+    """Print (and with --out write) the report: one JSON object with --json, else Markdown.
+    The exit status: 1 when no request of the workload completed."""
+    if args.json:
+        report = json.dumps({"workload": workload.description, **data})
+    else:
+        report = "\n".join([f"# {title}", "", *_header(args, info, workload), *body])
+    _publish(report, args.out)
+    return 0 if completed else 1
 
 
 def _publish(report: str, out: str | None) -> None:

@@ -40,8 +40,10 @@ from cluster.app_config import AppConfig, PoolConfig
 from cluster.benchmarks import engine_bench as bench
 from cluster.benchmarks.serving_bench import (
     Stream,
-    local_serve,
+    add_grpc_port_argument,
+    deployed,
     log,
+    on_serve,
     served_generate,
     wait_ready,
 )
@@ -74,13 +76,19 @@ class Served:
         self.tokens.append(s.token_ids)
 
 
-def app_config(a: argparse.Namespace, model_dir: str, affinity: bool, name: str) -> AppConfig:
-    pool = PoolConfig(
+def small_pool(num_blocks: int, max_num_seqs: int) -> PoolConfig:
+    """A pool for these benchmarks on a few cores: one torch thread an engine, a quarter CPU
+    a replica for Ray's accounting, 16-token KV blocks, prefill chunks of 512 tokens."""
+    return PoolConfig(
         num_cpus=0.25,
         torch_threads=1,
-        cache=CacheConfig(block_size=16, num_blocks=a.num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
     )
+
+
+def app_config(a: argparse.Namespace, model_dir: str, affinity: bool, name: str) -> AppConfig:
+    pool = small_pool(a.num_blocks, max_num_seqs=8)
     return AppConfig(
         model=ModelConfig(path=model_dir),
         router=replace(pool, num_cpus=0.25, replicas=a.routers),
@@ -105,22 +113,11 @@ def prompts(a: argparse.Namespace, vocab: int) -> list[tuple[int, list[int]]]:
 
 
 def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> dict[str, Served]:
-    from ray import serve
-
-    from cluster.app import build_app
-
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     results = {label: Served() for label in APPS}
-    try:
-        for label, name in APPS.items():
-            log(f"deploying {name}")
-            affinity = label == "prefix affinity"
-            serve.run(
-                build_app(app_config(a, model_dir, affinity, name)),
-                name=name,
-                route_prefix=f"/{name}",
-            )
+    configs = [app_config(a, model_dir, label == "prefix affinity", n) for label, n in APPS.items()]
+    with deployed(configs):
         warm = random.Random(a.seed + 1)
         for name in APPS.values():  # every replica's first-call costs, outside the numbers
             wait_ready(stub, name, [warm.randrange(16, vocab) for _ in range(a.prefix)])
@@ -146,12 +143,6 @@ def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> dict[str, 
                     )
         for label, name in APPS.items():
             results[label].used_blocks_after = used_blocks(stub, name)
-    finally:
-        for name in APPS.values():
-            try:
-                serve.delete(name)
-            except Exception as e:  # never deployed, or Serve is going away
-                log(f"could not delete app {name}: {e}")
     return results
 
 
@@ -269,21 +260,11 @@ def main(argv: list[str] | None = None) -> str:
         help="client threads taking the requests in order "
         "(both apps' together; default: one request at a time)",
     )
-    p.add_argument(
-        "--grpc-port",
-        type=int,
-        default=0,
-        help="use the Serve already running with this gRPC "
-        "port (pdserve's servicer) instead of starting a local Ray",
-    )
+    add_grpc_port_argument(p)
     a = p.parse_args(argv)
     model_dir = str(a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset)))
     began = time.perf_counter()
-    if a.grpc_port:
-        res = measure(a, model_dir, a.grpc_port)
-    else:
-        with local_serve() as grpc_port:
-            res = measure(a, model_dir, grpc_port)
+    res = on_serve(a.grpc_port, lambda port: measure(a, model_dir, port))
     return bench.publish(render(a, argv, res, time.perf_counter() - began), a.out)
 
 

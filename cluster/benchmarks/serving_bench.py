@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import torch
@@ -90,6 +91,8 @@ TTFT_RUNS_MAX = 15
 # The deployment whose engine decodes in each mode (its `time_decode` is the same-engine
 # reference).
 DECODING = {"disaggregated": "Decode", "colocated": "Colocated", "serve-relay": "Decode"}
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -1096,6 +1099,46 @@ def local_serve() -> Iterator[int]:
             serve.shutdown()
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def deployed(configs: list[AppConfig]) -> Iterator[None]:
+    """Each app (named by its config's `name`, at route /name) deployed on the running Serve
+    for the block; all of them deleted after, whatever happened."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    try:
+        for cfg in configs:
+            log(f"deploying {cfg.name}")
+            serve.run(build_app(cfg), name=cfg.name, route_prefix=f"/{cfg.name}")
+        yield
+    finally:
+        for cfg in configs:
+            try:
+                serve.delete(cfg.name)
+            except Exception as e:  # never deployed, or Serve is going away
+                log(f"could not delete app {cfg.name}: {e}")
+
+
+def add_grpc_port_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=0,
+        help="use the Serve already running with this gRPC "
+        "port (pdserve's servicer) instead of starting a local Ray",
+    )
+
+
+def on_serve(grpc_port: int, measure: Callable[[int], T]) -> T:
+    """`measure(port)` on the Serve whose gRPC proxy listens on `grpc_port`, or, when it is 0,
+    on a local Ray and Serve started for it and shut down after."""
+    if grpc_port:
+        return measure(grpc_port)
+    with local_serve() as port:
+        return measure(port)
 
 
 def _free_port() -> int:

@@ -32,12 +32,18 @@ from pathlib import Path
 
 import grpc
 
-from cluster.app_config import AppConfig, PoolConfig
+from cluster.app_config import AppConfig
 from cluster.bench_summary import PERCENTILES, BenchSummary
 from cluster.benchmarks import engine_bench as bench
-from cluster.benchmarks.routing_bench import used_blocks
-from cluster.benchmarks.serving_bench import local_serve, log, wait_ready
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from cluster.benchmarks.routing_bench import small_pool, used_blocks
+from cluster.benchmarks.serving_bench import (
+    add_grpc_port_argument,
+    deployed,
+    log,
+    on_serve,
+    wait_ready,
+)
+from cluster.config import ModelConfig
 from cluster.load_generator import RequestRecord, model_info, run_workload
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.workload import TraceScale, Workload, load_trace, trace_workload
@@ -54,12 +60,7 @@ class Replay:
 
 
 def app_config(a: argparse.Namespace, model_dir: str, mode: str, name: str) -> AppConfig:
-    pool = PoolConfig(
-        num_cpus=0.25,
-        torch_threads=1,
-        cache=CacheConfig(block_size=16, num_blocks=a.num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
-    )
+    pool = small_pool(a.num_blocks, max_num_seqs=32)
     engines = replace(pool, replicas=2) if mode == "colocated" else pool
     return AppConfig(
         model=ModelConfig(path=model_dir),
@@ -78,19 +79,10 @@ def workload(a: argparse.Namespace, info) -> Workload:
 
 
 def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> tuple[Workload, dict]:
-    from ray import serve
-
-    from cluster.app import build_app
-
     target = f"127.0.0.1:{grpc_port}"
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(target))
     results: dict[str, Replay] = {}
-    try:
-        for mode, name in APPS.items():
-            log(f"deploying {name}")
-            serve.run(
-                build_app(app_config(a, model_dir, mode, name)), name=name, route_prefix=f"/{name}"
-            )
+    with deployed([app_config(a, model_dir, mode, name) for mode, name in APPS.items()]):
         for name in APPS.values():
             wait_ready(stub, name, list(range(16, 48)))
         info = asyncio.run(model_info(target, APPS["disaggregated"]))
@@ -99,12 +91,6 @@ def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> tuple[Work
             log(f"replaying {len(work.requests)} requests on {name}")
             records = asyncio.run(run_workload(target, work, name, timeout_s=a.timeout))
             results[mode] = Replay(records, BenchSummary.of(records), used_blocks(stub, name))
-    finally:
-        for name in APPS.values():
-            try:
-                serve.delete(name)
-            except Exception as e:  # never deployed, or Serve is going away
-                log(f"could not delete app {name}: {e}")
     return work, results
 
 
@@ -173,21 +159,11 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument(
-        "--grpc-port",
-        type=int,
-        default=0,
-        help="use the Serve already running with this gRPC "
-        "port (pdserve's servicer) instead of starting a local Ray",
-    )
+    add_grpc_port_argument(p)
     a = p.parse_args(argv)
     model_dir = str(a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset)))
     began = time.perf_counter()
-    if a.grpc_port:
-        work, res = measure(a, model_dir, a.grpc_port)
-    else:
-        with local_serve() as grpc_port:
-            work, res = measure(a, model_dir, grpc_port)
+    work, res = on_serve(a.grpc_port, lambda port: measure(a, model_dir, port))
     return bench.publish(render(a, argv, work, res, time.perf_counter() - began), a.out)
 
 

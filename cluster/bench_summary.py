@@ -20,6 +20,21 @@ PERCENTILES = (50, 90, 99)
 # router's TTFT: its hops to the pools, retries); after it, the KV transfer (disaggregated
 # only) + decoding.
 PHASES = ("proxy", "queue", "prefill", "routing", "kv_transfer", "decode")
+# What a dominant phase points at, for the report's last line.
+PHASE_HINTS = {
+    "proxy": "the time is outside pdserve's account (Serve's gRPC proxy, the network, the "
+    "client); check the client machine and its link to the cluster.",
+    "queue": "requests wait for a prefilling engine (the prefill pool, or the colocated one): "
+    "that pool is saturated; add replicas to it (or raise its autoscaling max_replicas).",
+    "prefill": "prompt computation dominates: more prefill replicas raise throughput, not a "
+    "prompt's own time; shared prefixes cut it (see the prefix-cache line above).",
+    "routing": "the router's own hops to the pools dominate, which happens only when the "
+    "model's work is tiny: check the router replicas' CPU.",
+    "kv_transfer": "moving the KV dominates: on GPUs use the nccl transport, otherwise a faster "
+    "network; a decode engine busy with large batches also delays the import.",
+    "decode": "token generation dominates: decode replicas and their batch size "
+    "(scheduler.max_num_seqs) set the throughput, memory bandwidth the time per token.",
+}
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -207,7 +222,8 @@ class BenchSummary:
             lines.append(f"| {k} | {self.phase_mean_s[k] * 1e3:.1f} | {self.phase_share(k):.1%} |")
         lines.append(
             f"\nDominant phase: **{self.dominant_phase}** "
-            f"({self.phase_share(self.dominant_phase):.0%} of the requests' time end to end)."
+            f"({self.phase_share(self.dominant_phase):.0%} of the requests' time end to end): "
+            + PHASE_HINTS[self.dominant_phase]
         )
         return lines
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from cluster.bench_summary import PHASES, BenchSummary, percentile, phase_seconds
+from cluster.bench_summary import PHASE_HINTS, PHASES, BenchSummary, percentile, phase_seconds
 from cluster.load_generator import PhaseTiming, RequestRecord
 from cluster.phase_model import PROBE_OUTPUT_TOKENS, Curve, PhaseModel
 
@@ -36,6 +36,10 @@ def test_percentile_matches_numpy(p):
     xs = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6, 5.0]
     assert percentile(xs, p) == pytest.approx(np.percentile(xs, p))
     assert math.isnan(percentile([], p))
+
+
+def test_every_phase_has_a_hint():
+    assert set(PHASE_HINTS) == set(PHASES)
 
 
 def test_phases_split_the_clients_end_to_end():
@@ -76,6 +80,8 @@ def test_summary_counts_latencies_failures_cache_and_replicas():
     text = "\n".join(s.render())
     assert "3 of 4 completed (failed: RESOURCE_EXHAUSTED 1)" in text
     assert "32 from the prefix cache" in text and "within the SLO: 1 of 4" in text
+    assert f"Dominant phase: **{s.dominant_phase}**" in text
+    assert PHASE_HINTS[s.dominant_phase] in text
     assert s.to_json()["failures"] == {"RESOURCE_EXHAUSTED": 1}
 
 

@@ -40,11 +40,11 @@ from cluster.app_config import AppConfig, PoolConfig
 from cluster.benchmarks import engine_bench as bench
 from cluster.benchmarks.serving_bench import (
     Stream,
-    add_grpc_port_argument,
     deployed,
     log,
-    on_serve,
+    measure_served,
     served_generate,
+    served_parser,
     wait_ready,
 )
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -231,10 +231,7 @@ def _clients(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="small")
-    p.add_argument("--model-dir", default=None, help="checkpoint dir (default: the preset's)")
-    p.add_argument("--out", default=None, help="also write the Markdown report here")
+    p = served_parser(__doc__)
     p.add_argument("--tenants", type=int, default=12, help="distinct shared prefixes")
     p.add_argument("--prefix", type=int, default=256, help="tokens of each shared prefix")
     p.add_argument("--suffix", type=int, default=16, help="tokens of each request's own")
@@ -260,12 +257,9 @@ def main(argv: list[str] | None = None) -> str:
         help="client threads taking the requests in order "
         "(both apps' together; default: one request at a time)",
     )
-    add_grpc_port_argument(p)
     a = p.parse_args(argv)
-    model_dir = str(a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset)))
-    began = time.perf_counter()
-    res = on_serve(a.grpc_port, lambda port: measure(a, model_dir, port))
-    return bench.publish(render(a, argv, res, time.perf_counter() - began), a.out)
+    res, wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
+    return bench.publish(render(a, argv, res, wall_s), a.out)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,12 @@ import grpc
 import torch
 
 from cluster.app_config import AppConfig, PoolConfig
-from cluster.benchmarks.engine_bench import cpu_model, device_name
+from cluster.benchmarks.engine_bench import (
+    cpu_model,
+    default_model_dir,
+    device_name,
+    ensure_model,
+)
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig, TransferConfig
 from cluster.cpu_affinity import cpu_list_arg, format_cpu_list, reserve_for_engines
 from cluster.engine import Engine
@@ -1122,7 +1127,13 @@ def deployed(configs: list[AppConfig]) -> Iterator[None]:
                 log(f"could not delete app {cfg.name}: {e}")
 
 
-def add_grpc_port_argument(p: argparse.ArgumentParser) -> None:
+def served_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options of the benchmarks that deploy apps of their own (`measure_served`): the
+    checkpoint, the report file and the Serve to use."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--model-dir", default=None, help="checkpoint dir (default: the preset's)")
+    p.add_argument("--out", default=None, help="also write the Markdown report here")
     p.add_argument(
         "--grpc-port",
         type=int,
@@ -1130,6 +1141,16 @@ def add_grpc_port_argument(p: argparse.ArgumentParser) -> None:
         help="use the Serve already running with this gRPC "
         "port (pdserve's servicer) instead of starting a local Ray",
     )
+    return p
+
+
+def measure_served(a: argparse.Namespace, measure: Callable[[str, int], T]) -> tuple[T, float]:
+    """`measure(checkpoint dir, grpc port)` with `served_parser`'s options; returns its result
+    and the wall seconds it took."""
+    model_dir = str(a.model_dir or ensure_model(a.preset, default_model_dir(a.preset)))
+    began = time.perf_counter()
+    result = on_serve(a.grpc_port, lambda port: measure(model_dir, port))
+    return result, time.perf_counter() - began
 
 
 def on_serve(grpc_port: int, measure: Callable[[int], T]) -> T:

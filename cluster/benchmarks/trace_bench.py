@@ -25,7 +25,6 @@ import asyncio
 import os
 import platform
 import sys
-import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,10 +36,10 @@ from cluster.bench_summary import PERCENTILES, BenchSummary
 from cluster.benchmarks import engine_bench as bench
 from cluster.benchmarks.routing_bench import small_pool, used_blocks
 from cluster.benchmarks.serving_bench import (
-    add_grpc_port_argument,
     deployed,
     log,
-    on_serve,
+    measure_served,
+    served_parser,
     wait_ready,
 )
 from cluster.config import ModelConfig
@@ -146,10 +145,7 @@ def render(a: argparse.Namespace, argv: list[str], work: Workload, res: dict, wa
 
 def main(argv: list[str] | None = None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="small")
-    p.add_argument("--model-dir", default=None, help="checkpoint dir (default: the preset's)")
-    p.add_argument("--out", default=None, help="also write the Markdown report here")
+    p = served_parser(__doc__)
     p.add_argument("--trace", default=str(SHARED_TRACE), help="Mooncake-format JSONL trace")
     p.add_argument("--skip", type=int, default=3800, help="start after this many requests")
     p.add_argument("--max-requests", type=int, default=60)
@@ -159,12 +155,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    add_grpc_port_argument(p)
     a = p.parse_args(argv)
-    model_dir = str(a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset)))
-    began = time.perf_counter()
-    work, res = on_serve(a.grpc_port, lambda port: measure(a, model_dir, port))
-    return bench.publish(render(a, argv, work, res, time.perf_counter() - began), a.out)
+    (work, res), wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
+    return bench.publish(render(a, argv, work, res, wall_s), a.out)
 
 
 if __name__ == "__main__":

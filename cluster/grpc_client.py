@@ -13,8 +13,11 @@ from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.request import TokenLogprobs
 
-_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
-_FINISH[pb.FINISH_REASON_ABORT] = "abort"
+FINISH_REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
 
 
 def connect(target: str) -> pb_grpc.GenerationStub:
@@ -68,7 +71,7 @@ def generate_remote(args: argparse.Namespace, token_ids: list[int] | None) -> in
                     "request_id": last.request_id,
                     "token_ids": ids,
                     "text": "".join(text),
-                    "finish_reason": _FINISH.get(last.finish_reason, ""),
+                    "finish_reason": FINISH_REASONS.get(last.finish_reason, ""),
                     "usage": MessageToDict(last.usage, preserving_proto_field_name=True),
                     "timing": MessageToDict(last.timing, preserving_proto_field_name=True),
                     **logprobs_json(ids, scored, args.logprobs),

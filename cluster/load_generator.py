@@ -10,21 +10,17 @@ the start of the run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.grpc_client import FINISH_REASONS, app_metadata
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.workload import Workload, WorkloadRequest
-
-_FINISH = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass(frozen=True)
@@ -112,8 +108,8 @@ async def run_workload(
     """Send every request of `workload` (greedy, `max_tokens` each, EOS ignored unless told
     otherwise so outputs have the workload's lengths) and return their records in workload
     order. A request that fails is recorded with its status code; the run goes on."""
-    metadata = (("application", application),) if application else ()
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    metadata = app_metadata(application)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         start = time.perf_counter()
@@ -127,11 +123,8 @@ async def run_workload(
                 reusable_tokens=req.reusable_tokens,
             )
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-            if limit is None:
+            async with limit:
                 await _stream(stub, req, rec, start, metadata, timeout_s, ignore_eos)
-            else:
-                async with limit:
-                    await _stream(stub, req, rec, start, metadata, timeout_s, ignore_eos)
             return rec
 
         return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(workload.requests))))
@@ -154,13 +147,13 @@ async def _stream(stub, req, rec: RequestRecord, start, metadata, timeout_s, ign
     if last is None or not rec.token_times:
         rec.status, rec.error = "UNKNOWN", "the stream ended without a token"
         return
-    rec.finish_reason = _FINISH.get(last.finish_reason, "")
+    rec.finish_reason = FINISH_REASONS.get(last.finish_reason, "")
     rec.cached_prompt_tokens = last.usage.cached_prompt_tokens
     rec.timing = PhaseTiming.of(last.timing)
 
 
 async def model_info(target: str, application: str | None = None) -> pb.ModelInfo:
-    metadata = (("application", application),) if application else ()
+    metadata = app_metadata(application)
     async with grpc.aio.insecure_channel(target) as channel:
         return await pb_grpc.GenerationStub(channel).GetModelInfo(
             pb.GetModelInfoRequest(), metadata=metadata, timeout=30

@@ -1,16 +1,16 @@
 """`DirectKVClient`: the decode worker's end of the `gloo` and `nccl` KV transports.
 
 `fetch` has `GrpcKVClient.fetch`'s contract (same errors, the lease stays held; call `release`,
-inherited unchanged, once the data is in the decode pool), but the KV moves over a `KVChannel`:
-a two-rank process group with the prefill worker named in the handle (this side rank 1),
-opened on first use with `OpenChannel`, cached per endpoint and closed after `idle_seconds`
-unused (the prefill side is told with `CloseChannel`). Per transfer: `PushKV` on the gRPC
-channel announces the tensors; the announced dtype and shape are checked against our own layout
-and the handle before anything is allocated; then the keys and values are received straight
-into tensors on `device` (the decode GPU under nccl: no host copy). One transfer per pair at a
-time. A channel the server no longer holds is reopened once; a broken one (peer gone, timeout,
-a cancelled transfer) is dropped and the fetch fails with Unavailable. Handles whose transport
-is "grpc" are fetched over gRPC.
+inherited unchanged, once `fetch` returned: the data is then in this side's tensors), but the KV
+moves over a `KVChannel`: a two-rank process group with the prefill worker named in the handle
+(this side rank 1), opened on first use with `OpenChannel`, cached per endpoint and closed after
+`idle_seconds` unused (the prefill side is told with `CloseChannel`). Per transfer: `PushKV` on
+the gRPC channel announces the tensors; the announced dtype and shape are checked against our
+own layout and the handle before anything is allocated; then the keys and values are received
+straight into tensors on `device` (the decode GPU under nccl: no host copy). One transfer per
+pair at a time. A channel the server no longer holds is reopened once; a broken one (peer gone,
+timeout, a cancelled transfer) is dropped and the fetch fails with Unavailable. Handles whose
+transport is "grpc" are fetched over gRPC.
 
 `make_kv_client` picks the client for a `TransferConfig`, once, when a decode worker starts.
 """

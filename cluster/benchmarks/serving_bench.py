@@ -151,6 +151,9 @@ class Results:
     loop_cpu_s: dict[str, list[float]] = field(default_factory=dict)
     # mode -> process -> CPU seconds per output token, one value per run
     served_cpu_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # the same over the run of its replica's engine alone next to it (the processes' CPU when
+    # the serving path is idle: the pairs' difference is what serving costs each of them)
+    alone_proc_cpu_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     incl_transfer_s: list[float] = field(default_factory=list)  # (total - TTFT) / (N - 1)
     fetch: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # len -> (B, s)
     ttft: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # len -> timings
@@ -517,14 +520,35 @@ class _DecodeRuns:
             served_generate(self.stub, MODES[m], self.prompt, n)
             res.served_s[m], res.served_cpu_s[m], res.alone_s[m] = [], {}, []
             res.alone_cpu_s[m], res.engine_thread_s[m], res.loop_cpu_s[m] = [], [], []
+            res.alone_proc_cpu_s[m] = {}
         replicas = {m: _decoding_replica(m) for m in modes}
         clocks = {m: _engine_clock(replicas[m], procs.get(f"{m}/{DECODING[m]}")) for m in modes}
+        pids = {
+            m: {k: pid for k, pid in procs.items() if k == "proxy" or k.startswith(m)}
+            for m in modes
+        }
+
+        def with_cpu(m: str, fn: Callable[..., T], *args) -> tuple[T, dict[str, float]]:
+            """`fn(*args)`, and the CPU seconds per output token each of `m`'s processes (and
+            this one) spent meanwhile."""
+            before, client_before = cpu_seconds(pids[m]), time.process_time()
+            result = fn(*args)
+            after, client_after = cpu_seconds(pids[m]), time.process_time()
+            cpu = {k: (after[k] - before[k]) / n for k in before if k in after}
+            cpu["client (this process)"] = (client_after - client_before) / n
+            return result, cpu
 
         def time_alone(m: str) -> None:
             """Its replica's engine alone, in its own process: per token, wall and CPU."""
-            wall, cpu = replicas[m].time_decode.remote(self.prompt, n).result()
+
+            def alone() -> tuple[float, float]:
+                return replicas[m].time_decode.remote(self.prompt, n).result()
+
+            (wall, cpu), procs_cpu = with_cpu(m, alone)
             res.alone_s[m].append(wall)
             res.alone_cpu_s[m].append(cpu)
+            for k, v in procs_cpu.items():
+                res.alone_proc_cpu_s[m].setdefault(k, []).append(v)
 
         for r in range(cfg.repeats):
             # Rotate the order (in-process first, then second, ...) so that no app always runs
@@ -541,18 +565,15 @@ class _DecodeRuns:
                     continue
                 if r % 2:  # its replica's engine alone, before the served run or after it
                     time_alone(m)
-                mine = {k: pid for k, pid in procs.items() if k == "proxy" or k.startswith(m)}
                 total_a, step_a = replicas[m].engine_cpu.remote().result()
-                before, client_before = cpu_seconds(mine), time.process_time()
-                s = served_generate(self.stub, MODES[m], self.prompt, n, clocks[m])
-                after, client_after = cpu_seconds(mine), time.process_time()
+                s, cpu_per_token = with_cpu(
+                    m, served_generate, self.stub, MODES[m], self.prompt, n, clocks[m]
+                )
                 total_b, step_b = replicas[m].engine_cpu.remote().result()
                 res.loop_cpu_s[m].append(((total_b - total_a) - (step_b - step_a)) / (n - 1))
                 res.served_s[m].append(per_token(s.token_times))
                 if (split := engine_thread_split(s, n)) is not None:
                     res.engine_thread_s[m].append(split)
-                cpu_per_token = {k: (after[k] - before[k]) / n for k in before if k in after}
-                cpu_per_token["client (this process)"] = (client_after - client_before) / n
                 for k, v in cpu_per_token.items():
                     res.served_cpu_s[m].setdefault(k, []).append(v)
                 if not r % 2:
@@ -945,24 +966,40 @@ def _cpu_table(res: Results) -> list[str]:
     if not modes:
         return []
     names = sorted({k.split("/")[-1] for m in modes for k in res.served_cpu_s[m]})
+    heads = [h for m in modes for h in (m, f"{m}: engine alone", f"{m}: served − alone")]
     lines = [
         "",
         "CPU time per output token by process (ms, median of runs; /proc utime + stime over "
-        "a whole served run, prefill included, divided by N):",
+        'a whole served run, prefill included, divided by N). "engine alone": the same over '
+        "the run of the decoding replica's engine alone next to it, when the serving path is "
+        "idle (each process's background work: Ray's and Serve's own threads, health checks, "
+        'metrics). "served − alone": median of the paired differences, what serving the '
+        "tokens cost each process.",
         "",
-        "| process | " + " | ".join(modes) + " |",
-        "|---|" + "---|" * len(modes),
+        "| process | " + " | ".join(heads) + " |",
+        "|---|" + "---|" * len(heads),
         "| in-process baseline (engine thread) | "
-        + " | ".join(f"{_med(_baseline(res, m, cpu=True)) * 1e3:.2f}" for m in modes)
-        + " |",
+        + " | ".join(f"{_ms(_baseline(res, m, cpu=True))} | | " for m in modes)
+        + "|",
     ]
     for name in names:
         cells = []
         for m in modes:
-            xs = next((v for k, v in res.served_cpu_s[m].items() if k.split("/")[-1] == name), [])
-            cells.append(f"{_med(xs) * 1e3:.2f}" if xs else "–")
+            served = _by_process(res.served_cpu_s[m], name)
+            alone = _by_process(res.alone_proc_cpu_s.get(m, {}), name)
+            paired = len(served) == len(alone) > 0
+            diff = [a - b for a, b in zip(served, alone, strict=True)] if paired else []
+            cells += [_ms(served), _ms(alone), f"{_med(diff) * 1e3:+.2f}" if diff else "–"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _by_process(runs: dict[str, list[float]], name: str) -> list[float]:
+    return next((v for k, v in runs.items() if k.split("/")[-1] == name), [])
+
+
+def _ms(xs: list[float]) -> str:
+    return f"{_med(xs) * 1e3:.2f}" if xs else "–"
 
 
 def _thread_modes(res: Results) -> list[str]:

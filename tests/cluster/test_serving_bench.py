@@ -42,6 +42,14 @@ def test_quick_run_reports_every_row_with_positive_numbers(ray_serve):
         assert _positive(served[0]) > 0 and _positive(served[1]) >= 0, served
         assert _positive(cells(report, f"{label}, its engine alone")[0]) > 0
 
+    # CPU per token by process: served, with the serving path idle, and what serving cost
+    # (/proc counts 10 ms ticks: a short run's router or proxy may show 0)
+    for process in ("Router", "proxy", "Decode"):
+        served, idle, cost = cells(report, process)[:3]
+        assert _positive(served) >= 0 and _positive(idle) >= 0, (process, served, idle)
+        _positive(cost)
+    assert _positive(cells(report, "Decode")[0]) > 0
+
     _, cfg = serving_bench.parse_args(["--quick"])
     for n_tok in cfg.long_prompts:
         mb, ms, gbs = (_positive(c) for c in cells(report, str(n_tok))[:3])

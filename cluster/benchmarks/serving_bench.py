@@ -876,12 +876,12 @@ def render(res: Results, argv: list[str]) -> str:
         "",
         "From the final message's `timing`: `kv_transfer_seconds` is measured by the decode "
         "worker from before `GrpcKVClient.fetch` until the KV is imported into its engine, so it "
-        "covers the fetch, the ReleaseKV round trip, the wait for the engine thread and the copy "
-        "into the decode pool. The transfer starts after the first token was streamed, so it is "
-        "not inside TTFT; the conservative share divides by TTFT + transfer. Client TTFT is "
-        "from the call to the first message; the 1st→2nd token gap is what the client sees of "
-        "the transfer (plus the decode hop and one decode step). Every run sends a prompt of "
-        f"its own, so none is served from the prefix cache. Medians of "
+        "covers the fetch, the wait for the engine thread and the copy into the decode pool "
+        "(the ReleaseKV call runs during the copy). The transfer starts after the first token "
+        "was streamed, so it is not inside TTFT; the conservative share divides by TTFT + "
+        "transfer. Client TTFT is from the call to the first message; the 1st→2nd token gap is "
+        "what the client sees of the transfer (plus the decode hop and one decode step). Every "
+        f"run sends a prompt of its own, so none is served from the prefix cache. Medians of "
         f"{cfg.ttft_runs} runs per length after a warm-up.",
         "",
         "| prompt tokens | client TTFT (ms) | server TTFT (ms) | prefill (ms) | KV transfer (ms) "
@@ -967,10 +967,12 @@ def _cpu_table(res: Results) -> list[str]:
         return []
     names = sorted({k.split("/")[-1] for m in modes for k in res.served_cpu_s[m]})
     heads = [h for m in modes for h in (m, f"{m}: engine alone", f"{m}: served − alone")]
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK") / res.cfg.decode_tokens
     lines = [
         "",
         "CPU time per output token by process (ms, median of runs; /proc utime + stime over "
-        'a whole served run, prefill included, divided by N). "engine alone": the same over '
+        f"a whole served run, prefill included, divided by N; /proc counts whole ticks, "
+        f'{tick_ms:.2f} ms per token here). "engine alone": the same over '
         "the run of the decoding replica's engine alone next to it, when the serving path is "
         "idle (each process's background work: Ray's and Serve's own threads, health checks, "
         'metrics). "served − alone": median of the paired differences, what serving the '

@@ -23,9 +23,9 @@ class ModelConfig:
     device: str = "cpu"
     # A context longer than the checkpoint's max_position_embeddings is refused; 0 = use it.
     max_model_len: int = 0
-    # fp32 on the CPU: also keep every linear weight packed for MKL's GEMM (cluster/linear.py),
-    # which makes the GEMMs of decode batches of 4-96 sequences 5-35% faster and costs about
-    # as much memory again as the weights.
+    # fp32 on the CPU: also keep every linear weight packed for MKL's GEMM
+    # (cluster/model/linear.py), which makes the GEMMs of decode batches of 4-96 sequences
+    # 5-35% faster and costs about as much memory again as the weights.
     packed_weights: bool = True
 
     def __post_init__(self) -> None:
@@ -46,7 +46,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024
     # Keep the KV of finished prompts' full blocks, reclaimable, and reuse it for any later
-    # prompt that starts with the same tokens (cluster/block_manager.py).
+    # prompt that starts with the same tokens (cluster/engine/block_manager.py).
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -83,7 +83,7 @@ class TransferConfig:
     port: int = 0
     lease_seconds: float = 30.0
     # Both ends raise gRPC's message limit to this plus framing; 4 MiB measured fastest on
-    # loopback (cluster/benchmarks/kv_transfer_bench.py).
+    # loopback (benchmarks/kv_transfer_bench.py).
     max_chunk_bytes: int = 4 << 20
     fetch_timeout_seconds: float = 30.0
     # A decode worker's channel to a prefill worker (gRPC; gloo/nccl: the pair's process group)

@@ -12,10 +12,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from cluster.app_config import AppConfig
-from cluster.pool_messages import TokenRoute, WorkerChunk
-from cluster.replica import EngineReplica
 from cluster.request import Request, StepOutput
+from cluster.serving.app_config import AppConfig
+from cluster.serving.pool_messages import TokenRoute, WorkerChunk
+from cluster.serving.replica import EngineReplica
 from decode_worker.token_sender import TokenSender
 
 

@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
-from cluster.app_config import AppConfig
-from cluster.direct_kv_client import make_kv_client
+from cluster.engine.kv_cache import KVExport
 from cluster.errors import PdServeError
-from cluster.kv_cache import KVExport
-from cluster.pool_messages import DecodeRequest, TokenRoute, WorkerChunk
-from cluster.replica import EngineReplica
+from cluster.kv_transfer.collective_kv_client import make_kv_client
 from cluster.request import Request, StepOutput
+from cluster.serving.app_config import AppConfig
+from cluster.serving.pool_messages import DecodeRequest, TokenRoute, WorkerChunk
+from cluster.serving.replica import EngineReplica
 from decode_worker.token_sender import TokenSender
 
 

@@ -3,7 +3,7 @@ to the router's `TokenStreamServer`, one frame per router connection per step.
 
 Streaming each token back through the Serve handle costs the worker's process several event
 loop wake-ups per token, and every one of them takes the GIL from the engine thread in the
-middle of a step (cluster/benchmarks/serving_bench.py measures it). Here the engine thread
+middle of a step (benchmarks/serving_bench.py measures it). Here the engine thread
 encodes and sends the frame itself; the event loop only opens connections, flushes what the
 socket could not take at once, and learns when a stream ends.
 
@@ -23,9 +23,9 @@ import threading
 from collections.abc import Callable
 
 from cluster.errors import Unavailable
-from cluster.pool_messages import TokenRoute, WorkerChunk
 from cluster.request import StepOutput
-from cluster.token_wire import encode_frame
+from cluster.serving.pool_messages import TokenRoute, WorkerChunk
+from cluster.serving.token_wire import encode_frame
 
 ChunkMaker = Callable[[StepOutput, bool], WorkerChunk]  # (output, is first) -> chunk
 

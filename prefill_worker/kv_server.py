@@ -1,8 +1,9 @@
 """`KVServer`: the prefill worker's end of every KV transport (`pdserve.v1.KVTransfer`).
 
-`FetchKV` (transport "grpc") streams the KV of one lease in chunks (`cluster.kv_wire`); `PushKV`
-(transports "gloo" and "nccl") sends it over a direct channel the decode worker opened with
-`OpenChannel` (`cluster.kv_channel`; this side is rank 0 and hosts the rendezvous TCPStore).
+`FetchKV` (transport "grpc") streams the KV of one lease in chunks (`cluster.kv_transfer.kv_wire`);
+`PushKV` (transports "gloo" and "nccl") sends it over a direct channel the decode worker opened
+with `OpenChannel` (`cluster.kv_transfer.kv_channel`; this side is rank 0 and hosts the rendezvous
+TCPStore).
 Both check, before anything is read: the handle is well formed, its capability token is genuine
 (UNAUTHENTICATED), the receiver's layout and the handle's equal ours (FAILED_PRECONDITION), and
 the lease is live (NOT_FOUND: released, expired or unknown). The lease is pinned for the whole
@@ -26,8 +27,9 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from cluster.async_engine import AsyncEngine
-from cluster.engine import Engine
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import Engine
+from cluster.engine.kv_cache import KVLayout
 from cluster.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -37,11 +39,10 @@ from cluster.errors import (
     Unauthenticated,
     Unavailable,
 )
-from cluster.kv_cache import KVLayout
-from cluster.kv_channel import PREFILL_RANK, KVChannel, transport_device
-from cluster.kv_channel_cache import KVChannelCache
-from cluster.kv_handle import KVHandle, layout_from_proto
-from cluster.kv_wire import (
+from cluster.kv_transfer.kv_channel import PREFILL_RANK, KVChannel, transport_device
+from cluster.kv_transfer.kv_channel_cache import KVChannelCache
+from cluster.kv_transfer.kv_handle import KVHandle, layout_from_proto
+from cluster.kv_transfer.kv_wire import (
     ChunkRange,
     chunk_header,
     chunk_ranges,
@@ -385,7 +386,7 @@ def _read_for_send(request_id: str, block_ids: list[int], device: torch.device, 
 
 def _add_servicer(servicer: KVServer, server: grpc.aio.Server) -> None:
     """`add_KVTransferServicer_to_server`, except that FetchKV sends the bytes its handler
-    yields as they are: they are `KVChunk` messages framed by `cluster.kv_wire`, which
+    yields as they are: they are `KVChunk` messages framed by `cluster.kv_transfer.kv_wire`, which
     protobuf would copy twice more on the way out."""
     generated = _Handlers()
     add_KVTransferServicer_to_server(servicer, generated)

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.async_engine import AsyncEngine
-from cluster.capability import Capability
+from cluster.engine.async_engine import AsyncEngine
 from cluster.errors import InvalidArgument, NotFound, Unauthenticated
+from cluster.kv_transfer.capability import Capability
 
 log = logging.getLogger(__name__)
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from cluster.app import GRACEFUL_SHUTDOWN_S
-from cluster.app_config import AppConfig
-from cluster.capability import Capability
 from cluster.config import resolve_host
 from cluster.errors import Unavailable
-from cluster.kv_handle import KVHandle
-from cluster.pool_messages import PrefillResult
-from cluster.replica import EngineReplica
+from cluster.kv_transfer.capability import Capability
+from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.request import Request
+from cluster.serving.app import GRACEFUL_SHUTDOWN_S
+from cluster.serving.app_config import AppConfig
+from cluster.serving.pool_messages import PrefillResult
+from cluster.serving.replica import EngineReplica
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
 

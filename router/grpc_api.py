@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from cluster.errors import InvalidArgument, NotFound
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
-from cluster.pool_messages import ReplicaStats
 from cluster.request import Request
+from cluster.serving.pool_messages import ReplicaStats
 from router.generation_chunk import GenerationChunk
 from router.orchestrator import Orchestrator
 from router.pool_status import PoolStatus

@@ -1,5 +1,5 @@
 """How Serve's gRPC proxy serves `pdserve.v1.Generation`: the servicer function named in
-`grpc_options.grpc_servicer_functions` (`cluster.app.GRPC_SERVICER`), imported by the proxy
+`grpc_options.grpc_servicer_functions` (`cluster.serving.app.GRPC_SERVICER`), imported by the proxy
 on every node.
 
 It registers the generated service like `add_GenerationServicer_to_server`, with one change to

@@ -28,15 +28,15 @@ from ray.serve.exceptions import (
     ReplicaUnavailableError,
 )
 
-from cluster.app_config import AppConfig
 from cluster.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
-from cluster.grpc_kv_client import GrpcKVClient
-from cluster.metrics import PoolMetrics
-from cluster.model_loader import ModelInfo
-from cluster.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
+from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
+from cluster.model.loader import ModelInfo
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
-from cluster.stats_registry import registry
+from cluster.serving.app_config import AppConfig
+from cluster.serving.metrics import PoolMetrics
+from cluster.serving.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
+from cluster.serving.stats_registry import registry
 from router.generation_chunk import GenerationChunk, Timing, Usage
 from router.pool_status import PoolStatus, pool_statuses
 from router.token_stream import TokenStreamServer

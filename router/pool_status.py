@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.app_config import AppConfig, PoolConfig
-from cluster.pool_messages import ReplicaStats
+from cluster.serving.app_config import AppConfig, PoolConfig
+from cluster.serving.pool_messages import ReplicaStats
 
 # Serve deployment name -> pool name
 DEPLOYMENT_POOLS = {

@@ -33,9 +33,9 @@ from collections.abc import Collection, Iterable
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.metrics import pool_metric
-from cluster.prefix_hash import extend_block_hashes
+from cluster.engine.prefix_hash import extend_block_hashes
 from cluster.request import Request
+from cluster.serving.metrics import pool_metric
 
 # A prompt's first 64 full blocks (1024 tokens with 16-token blocks) decide its replica: a
 # longer shared prefix would not change the choice, and hashing stays cheap.

@@ -10,12 +10,12 @@ import grpc
 from fastapi import FastAPI
 from ray import serve
 
-from cluster.app_config import AppConfig
 from cluster.config import resolve_host
 from cluster.errors import PdServeError
-from cluster.metrics import PoolMetrics
-from cluster.model_loader import describe_model
+from cluster.model.loader import describe_model
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.serving.app_config import AppConfig
+from cluster.serving.metrics import PoolMetrics
 from router.grpc_api import chunk_to_proto, model_info_to_proto, request_from_proto, stats_to_proto
 from router.openai_api import install_error_handlers, openai_routes
 from router.orchestrator import Orchestrator

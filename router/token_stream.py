@@ -22,8 +22,8 @@ import logging
 import secrets
 
 from cluster.errors import InvalidArgument, Unavailable
-from cluster.pool_messages import TokenRoute, WorkerChunk
-from cluster.token_wire import KEY_BYTES, decode_items, read_frame
+from cluster.serving.pool_messages import TokenRoute, WorkerChunk
+from cluster.serving.token_wire import KEY_BYTES, decode_items, read_frame
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from transformers import (
 )
 
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import Engine
-from cluster.make_model import make_model
+from cluster.engine.engine import Engine
+from cluster.model.make_model import make_model
 from cluster.request import Request, RequestOutput
 from cluster.sampling_params import SamplingParams
 
@@ -389,9 +389,11 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """Every test that starts Ray (through the `ray_serve` fixture) is `slow`, so
+    `pytest -m "not slow"` is the fast subset; `gpu` tests skip without CUDA."""
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "ray_serve" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+        if skip_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

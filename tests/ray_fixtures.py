@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 import grpc
 import pytest
 
-from cluster.app_config import AppConfig, PoolConfig
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig, TransferConfig
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from cluster.replica import REPORT_INTERVAL_S
+from cluster.serving.app_config import AppConfig, PoolConfig
+from cluster.serving.replica import REPORT_INTERVAL_S
 
 
 def free_port() -> int:
@@ -48,7 +48,7 @@ def ray_serve() -> Iterator[ServeEndpoints]:
     import ray
     from ray import serve
 
-    from cluster.app import GRPC_SERVICER, apply_node_env
+    from cluster.serving.app import GRPC_SERVICER, apply_node_env
 
     apply_node_env()  # the proxies reach the routers as `pdserve serve` deploys them
     # Short metric push intervals so autoscaling and stats react within a test's time.
@@ -93,7 +93,7 @@ def small_app_config(model_dir: str, **overrides) -> AppConfig:
 def deploy(config: AppConfig, name: str, route_prefix: str) -> None:
     from ray import serve
 
-    from cluster.app import build_app
+    from cluster.serving.app import build_app
 
     serve.run(build_app(replace(config, name=name)), name=name, route_prefix=route_prefix)
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.async_engine import AsyncEngine
+from cluster.engine.async_engine import AsyncEngine
 from cluster.errors import Unavailable
-from cluster.pool_messages import TokenRoute, WorkerChunk
 from cluster.request import Request, StepOutput
-from cluster.token_wire import decode_items, read_frame
+from cluster.serving.pool_messages import TokenRoute, WorkerChunk
+from cluster.serving.token_wire import decode_items, read_frame
 from decode_worker.token_sender import TokenSender, _Connection
 from router.token_stream import TokenStreamServer
 from tests.conftest import greedy, prompt

@@ -28,10 +28,10 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve._private.build_app import build_app
 from ray.serve.schema import ServeDeploySchema
 
-import cluster.app
-from cluster.app import GRPC_SERVICER, _config_from_args
-from cluster.app_config import AppConfig, PoolConfig
+import cluster.serving.app
 from cluster.errors import InvalidArgument
+from cluster.serving.app import GRPC_SERVICER, _config_from_args
+from cluster.serving.app_config import AppConfig, PoolConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_UP_CONFIGS = sorted(DEPLOY.glob("*/cluster.yaml"))
@@ -39,7 +39,7 @@ SERVE_CONFIGS = sorted((DEPLOY / "serve").glob("*.yaml"))
 PRODUCTION = DEPLOY / "serve" / "production.yaml"
 KUBERAY = DEPLOY / "kuberay" / "rayservice.yaml"
 RAY_SCHEMA = Path(ray.autoscaler.__file__).parent / "ray-schema.json"
-# The AppConfig pool each deployment is built from (cluster/app.py).
+# The AppConfig pool each deployment is built from (cluster/serving/app.py).
 POOL_OF = {"Router": "router", "Prefill": "prefill", "Decode": "decode", "Colocated": "decode"}
 ENGINE_DEPLOYMENTS = ("Prefill", "Decode", "Colocated")
 
@@ -91,12 +91,12 @@ def test_ray_up_config_passes_rays_schema(path: Path):
 
 
 def check_node_env(config: dict[str, Any]) -> None:
-    """Every `ray start` of every node sets cluster.app.NODE_ENV_VARS (the proxies read them)."""
+    """Every `ray start` of every node sets cluster.serving.app.NODE_ENV_VARS (proxies read it)."""
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         starts = [c for c in config[key] if "ray start" in c]
         assert starts, f"{key}: no ray start"
         for command in starts:
-            for var, value in cluster.app.NODE_ENV_VARS.items():
+            for var, value in cluster.serving.app.NODE_ENV_VARS.items():
                 assert f"{var}={value} ray start" in command, f"{key}: {var} not set"
 
 
@@ -111,7 +111,7 @@ def test_node_env_check_fails_when_a_worker_starts_without_it():
 
 def test_the_image_sets_the_node_env_for_every_ray_process():
     dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
-    for var, value in cluster.app.NODE_ENV_VARS.items():
+    for var, value in cluster.serving.app.NODE_ENV_VARS.items():
         assert re.search(rf"^ENV {var}={value}$", dockerfile, re.M), var
 
 
@@ -195,7 +195,7 @@ def check_serve_config(raw: dict[str, Any]) -> ServeDeploySchema:
     for app in config.applications:
         module, _, attr = app.import_path.partition(":")
         builder = getattr(importlib.import_module(module), attr)
-        assert builder is cluster.app.build_app
+        assert builder is cluster.serving.app.build_app
         app_config = app_config_of(app.args)
         # Each application's stats registry is named after `args.name`.
         assert app_config.name == app.name
@@ -234,7 +234,7 @@ def check_args_agree(raw: dict[str, Any]) -> None:
                 # settings back.
                 dep_env = (dep["ray_actor_options"].get("runtime_env") or {}).get("env_vars")
                 env = {**app_env, **(dep_env or {})}
-                assert env.items() >= cluster.app.REPLICA_ENV_VARS.items(), f"{where}: env"
+                assert env.items() >= cluster.serving.app.REPLICA_ENV_VARS.items(), f"{where}: env"
             if "max_ongoing_requests" in dep:
                 assert dep["max_ongoing_requests"] == pool.ongoing_limit, where
             scaling = dep.get("autoscaling_config")
@@ -267,7 +267,7 @@ def _break_deployment_name(c):
 
 
 def _break_import_path(c):
-    c["applications"][0]["import_path"] = "cluster.app:build_ap"
+    c["applications"][0]["import_path"] = "cluster.serving.app:build_ap"
 
 
 def _break_args(c):

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from cluster.metrics import METRICS
+from cluster.serving.metrics import METRICS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve-dashboard.json"
 

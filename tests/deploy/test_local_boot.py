@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from cluster.config import EngineConfig, ModelConfig
-from cluster.engine import Engine
-from cluster.make_model import default_model_dir
+from cluster.engine.engine import Engine
+from cluster.model.make_model import default_model_dir
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
@@ -36,7 +36,7 @@ def raw_config() -> dict:
 def local_app(ray_serve, raw_config):
     from ray import serve
 
-    from cluster.launcher import _deploy_config_file
+    from cluster.cli.serve import _deploy_config_file
 
     (app,) = raw_config["applications"]
     _deploy_config_file(LOCAL, timeout_s=300)

@@ -15,12 +15,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.autoscaling import AutoscalingSettings
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import Engine
+from cluster.engine.engine import Engine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
+from cluster.serving.autoscaling import AutoscalingSettings
 from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
 
 APP = "scaling"

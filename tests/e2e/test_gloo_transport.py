@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cluster.config import TransferConfig
-from cluster.direct_kv_client import DirectKVClient
-from cluster.engine import Engine
+from cluster.engine.engine import Engine
+from cluster.kv_transfer.collective_kv_client import DirectKVClient
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams

@@ -19,9 +19,9 @@ import pytest
 from cluster.errors import FailedPrecondition, Unauthenticated, Unavailable
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from cluster.pool_messages import DecodeRequest
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
+from cluster.serving.pool_messages import DecodeRequest
 from tests.e2e.conftest import CO, ENGINE_CORE, PD
 from tests.ray_fixtures import app_metadata, stub, wait_for_idle
 
@@ -371,7 +371,7 @@ def _decode(request, handle, first_token: int) -> list:
 def test_bad_token_expired_lease_and_layout_mismatch_fail_with_documented_codes(apps):
     import asyncio
 
-    from cluster.grpc_kv_client import GrpcKVClient
+    from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
 
     # A forged capability token is refused by the prefill replica's KV server.
     request, result = _prefill("forged")
@@ -448,7 +448,7 @@ def test_model_info(apps):
 def test_cli_generate_and_status_against_the_cluster(apps, capsys):
     import json
 
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     target = ["--target", apps.grpc_target, "--application", PD]
     ids = "5,6,7,8"

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.async_engine import AsyncEngine
-from cluster.capability import Capability
 from cluster.config import CacheConfig, EngineConfig, ModelConfig
-from cluster.direct_kv_client import DirectKVClient
-from cluster.engine import Engine
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import Engine
+from cluster.engine.kv_cache import KVExport
 from cluster.errors import FailedPrecondition, InvalidArgument, Unauthenticated, Unavailable
-from cluster.kv_cache import KVExport
-from cluster.kv_channel import transport_device
-from cluster.kv_handle import KVHandle
+from cluster.kv_transfer.capability import Capability
+from cluster.kv_transfer.collective_kv_client import DirectKVClient
+from cluster.kv_transfer.kv_channel import transport_device
+from cluster.kv_transfer.kv_handle import KVHandle
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
 from tests.prefill_worker import test_kv_server

@@ -17,15 +17,15 @@ import msgpack
 import pytest
 import torch
 
-from cluster.async_engine import AsyncEngine
-from cluster.capability import Capability
 from cluster.config import CacheConfig, EngineConfig, ModelConfig
-from cluster.engine import Engine
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import Engine
+from cluster.engine.kv_cache import KVExport
 from cluster.errors import FailedPrecondition, InvalidArgument, Unauthenticated, Unavailable
-from cluster.grpc_kv_client import GrpcKVClient
-from cluster.kv_cache import KVExport
-from cluster.kv_handle import KVHandle, layout_to_proto
-from cluster.kv_wire import DTYPES, chunk_header, encode_frame
+from cluster.kv_transfer.capability import Capability
+from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
+from cluster.kv_transfer.kv_handle import KVHandle, layout_to_proto
+from cluster.kv_transfer.kv_wire import DTYPES, chunk_header, encode_frame
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferStub
 from cluster.request import Request

@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cluster.app_config import AppConfig
 from cluster.config import ModelConfig
+from cluster.engine.kv_cache import KVLayout
 from cluster.errors import Unavailable
-from cluster.kv_cache import KVLayout
-from cluster.kv_handle import KVHandle
-from cluster.model import ArchSpec
-from cluster.model_loader import ModelInfo
-from cluster.pool_messages import PrefillResult, WorkerChunk
+from cluster.kv_transfer.kv_handle import KVHandle
+from cluster.model.decoder import ArchSpec
+from cluster.model.loader import ModelInfo
 from cluster.request import StepOutput
 from cluster.sampling_params import SamplingParams
+from cluster.serving.app_config import AppConfig
+from cluster.serving.pool_messages import PrefillResult, WorkerChunk
 from decode_worker.token_sender import TokenSender
 from router.orchestrator import Orchestrator
 from router.token_stream import TokenStreamServer

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from cluster.prefix_hash import ROOT, block_hash
+from cluster.engine.prefix_hash import ROOT, block_hash
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from router.prefix_affinity import PrefixAffinityRouter, PrefixIndex, prompt_block_hashes

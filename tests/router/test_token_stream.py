@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from cluster.errors import FailedPrecondition, InvalidArgument, Unavailable
-from cluster.pool_messages import WorkerChunk
 from cluster.request import StepOutput
-from cluster.token_wire import encode_frame
+from cluster.serving.pool_messages import WorkerChunk
+from cluster.serving.token_wire import encode_frame
 from router.token_stream import TokenStreamServer
 
 

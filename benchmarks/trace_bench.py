@@ -1,0 +1,164 @@
+"""The Mooncake trace replayed on pdserve, disaggregated against colocated on the same
+number of engines, side by side in one run.
+
+    python -m benchmarks.trace_bench [--preset small] [--trace FILE] [--skip 3800]
+        [--max-requests 60] [--length-scale 0.03125] [--time-scale 8] [--output-scale 1]
+        [--out FILE]
+
+Two apps on one local Ray, each with two engines of one torch thread: "disaggregated" (1
+prefill + 1 decode replica) and "colocated" (2 replicas doing both phases). The same window
+of the trace (`cluster.client.workload`: the lengths and clock scaled as given, prompts that share
+`hash_ids` sharing their tokens) is sent to one app and then to the other, open loop, each
+request at its scaled arrival time, by the load generator `pdserve bench` uses. Prints each
+app's `pdserve bench` summary, a table of the two side by side with their ratios, and checks
+that both gave the same tokens for every request and that no KV blocks are left in use.
+
+The default window (requests 3800-3859 of the released trace) is one where prompts share
+prefixes (an unbounded cache could serve 44% of the prompt tokens); the trace's first
+requests share none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import sys
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+
+from benchmarks import engine_bench as bench
+from benchmarks.routing_bench import small_pool, used_blocks
+from benchmarks.serving_bench import (
+    deployed,
+    log,
+    measure_served,
+    served_parser,
+    wait_ready,
+)
+from cluster.client.bench_summary import PERCENTILES, BenchSummary
+from cluster.client.load_generator import RequestRecord, model_info, run_workload
+from cluster.client.workload import TraceScale, Workload, load_trace, trace_workload
+from cluster.config import ModelConfig
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.serving.app_config import AppConfig
+
+APPS = {"disaggregated": "trace-pd", "colocated": "trace-co"}
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
+
+
+@dataclass
+class Replay:
+    records: list[RequestRecord]
+    summary: BenchSummary
+    used_blocks_after: int
+
+
+def app_config(a: argparse.Namespace, model_dir: str, mode: str, name: str) -> AppConfig:
+    pool = small_pool(a.num_blocks, max_num_seqs=32)
+    engines = replace(pool, replicas=2) if mode == "colocated" else pool
+    return AppConfig(
+        model=ModelConfig(path=model_dir),
+        router=replace(pool, replicas=1),
+        prefill=pool,
+        decode=engines,
+        mode=mode,
+        name=name,
+    )
+
+
+def workload(a: argparse.Namespace, info) -> Workload:
+    scale = TraceScale(a.length_scale, a.time_scale, a.output_scale)
+    entries = load_trace(a.trace, a.max_requests, a.skip)
+    return trace_workload(entries, scale, info.vocab_size, info.max_context_length, a.seed)
+
+
+def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> tuple[Workload, dict]:
+    target = f"127.0.0.1:{grpc_port}"
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(target))
+    results: dict[str, Replay] = {}
+    with deployed([app_config(a, model_dir, mode, name) for mode, name in APPS.items()]):
+        for name in APPS.values():
+            wait_ready(stub, name, list(range(16, 48)))
+        info = asyncio.run(model_info(target, APPS["disaggregated"]))
+        work = workload(a, info)
+        for mode, name in APPS.items():
+            log(f"replaying {len(work.requests)} requests on {name}")
+            records = asyncio.run(run_workload(target, work, name, timeout_s=a.timeout))
+            results[mode] = Replay(records, BenchSummary.of(records), used_blocks(stub, name))
+    return work, results
+
+
+def render(a: argparse.Namespace, argv: list[str], work: Workload, res: dict, wall_s: float):
+    pd, co = res["disaggregated"].summary, res["colocated"].summary
+    lines = [
+        "# pdserve trace replay: disaggregated against colocated",
+        "",
+        f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}; wall time {wall_s:.0f} s",
+        f"- machine: {os.cpu_count()} CPUs ({bench.cpu_model()}), {platform.platform()}",
+        f"- command: `python -m benchmarks.trace_bench {' '.join(argv)}`".rstrip(),
+        f"- trace: {a.trace}, requests {a.skip}-{a.skip + len(work.requests) - 1}; "
+        f"{work.description}; seed {a.seed}; "
+        f"{sum(r.clipped for r in work.requests)} prompts cut to fit the context",
+        f"- apps: disaggregated 1 prefill + 1 decode replica, colocated 2 replicas; one torch "
+        f"thread per engine, {a.num_blocks} KV blocks of 16 tokens per replica; sent to "
+        "disaggregated first, then colocated",
+        "",
+        "| | disaggregated | colocated | disaggregated / colocated |",
+        "|---|---|---|---|",
+    ]
+
+    def row(name: str, x: float, y: float, fmt: str = "{:.1f}") -> None:
+        ratio = f"{x / y:.2f}x" if y else "n/a"
+        lines.append(f"| {name} | {fmt.format(x)} | {fmt.format(y)} | {ratio} |")
+
+    row("requests completed", pd.completed, co.completed, "{:d}")
+    row("output tokens/s", pd.output_throughput, co.output_throughput)
+    for label, attr in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2e")):
+        d_pd, d_co = getattr(pd, attr), getattr(co, attr)
+        row(f"{label} mean (ms)", d_pd.mean * 1e3, d_co.mean * 1e3)
+        for p in PERCENTILES:
+            row(f"{label} p{p} (ms)", d_pd.pct[p] * 1e3, d_co.pct[p] * 1e3)
+    row("prompt tokens from the prefix cache", pd.cached_prompt_tokens, co.cached_prompt_tokens,
+        "{:d}")  # fmt: skip
+    same = all(
+        x.token_ids == y.token_ids
+        for x, y in zip(res["disaggregated"].records, res["colocated"].records, strict=True)
+        if x.ok and y.ok
+    )
+    lines += [
+        f"| KV blocks used or leased after the run | {res['disaggregated'].used_blocks_after} | "
+        f"{res['colocated'].used_blocks_after} | |",
+        "",
+        f"Same tokens from both apps for every request: {'yes' if same else 'NO'}. "
+        f"An unbounded prefix cache could serve {work.reusable_tokens} of the "
+        f"{work.prompt_tokens} prompt tokens.",
+    ]
+    for mode, r in res.items():
+        lines += ["", f"## {mode}", "", *r.summary.render()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = served_parser(__doc__)
+    p.add_argument("--trace", default=str(SHARED_TRACE), help="Mooncake-format JSONL trace")
+    p.add_argument("--skip", type=int, default=3800, help="start after this many requests")
+    p.add_argument("--max-requests", type=int, default=60)
+    p.add_argument("--length-scale", type=float, default=TraceScale.length)
+    p.add_argument("--time-scale", type=float, default=8.0)
+    p.add_argument("--output-scale", type=float, default=TraceScale.output)
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    a = p.parse_args(argv)
+    (work, res), wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
+    return bench.publish(render(a, argv, work, res, wall_s), a.out)
+
+
+if __name__ == "__main__":
+    main()

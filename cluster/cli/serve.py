@@ -1,0 +1,240 @@
+"""`pdserve serve`: start or join a Ray cluster, deploy the app, print where to reach it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+from ray import serve
+
+from cluster.serving.app import GRPC_SERVICER, apply_node_env, build_app, default_config
+from cluster.serving.app_config import AppConfig
+from cluster.serving.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, AutoscalingSettings
+from cluster.serving.cpu_affinity import cpu_list_arg, format_cpu_list, reserve_for_engines
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded tiny)")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--prefill-replicas", type=int, default=1)
+    p.add_argument("--decode-replicas", type=int, default=1)
+    p.add_argument("--grpc-port", type=int, default=9000)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address the proxies bind")
+    p.add_argument("--address", default=None, help="Ray cluster to join: auto or ray://...")
+    p.add_argument("--config", default=None, help="a Serve config file, as for `serve run`")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per engine replica")
+    p.add_argument("--torch-threads", type=int, default=0)
+    p.add_argument(
+        "--engine-cpus",
+        type=cpu_list_arg,
+        default=(),
+        metavar="LIST",
+        help="cores for the engine threads only, e.g. 1 or 2-7; the local Ray this starts runs "
+        "on the other cores (with --address, start that cluster's Ray off them: taskset)",
+    )
+    p.add_argument(
+        "--prefix-affinity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send a prompt back to the replica whose prefix cache holds its start (default); "
+        "--no-prefix-affinity: Serve's power of two choices",
+    )
+    scale = p.add_argument_group("autoscaling (a pool autoscales when its max > its min)")
+    for pool in ("prefill", "decode"):
+        scale.add_argument(f"--{pool}-min-replicas", type=int, default=None)
+        scale.add_argument(f"--{pool}-max-replicas", type=int, default=None)
+    scale.add_argument(
+        "--prefill-target-queued-tokens", type=float, default=None, help="per replica"
+    )
+    scale.add_argument("--decode-target-running", type=float, default=None, help="per replica")
+    scale.add_argument("--decode-target-kv-usage", type=float, default=None, help="0-1")
+    scale.add_argument("--upscale-delay", type=float, default=10.0, help="seconds")
+    scale.add_argument("--downscale-delay", type=float, default=60.0, help="seconds")
+    p.add_argument("--demo", action="store_true", help="send one request once it is up")
+    p.add_argument("--exit", action="store_true", help="shut down after deploying (and --demo)")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    # A fresh local instance gets at least 4 logical CPUs, so the three deployments fit on a
+    # small machine; a joined cluster keeps its own resources.
+    local_cpus = None if args.address else max(4, os.cpu_count() or 1)
+    engine_cpus = args.engine_cpus
+    if engine_cpus and not args.address:
+        # Before Ray starts: its processes inherit this mask, the engine threads leave it.
+        rest = reserve_for_engines(engine_cpus)
+        engines = (
+            f"cores {format_cpu_list(engine_cpus)} kept for engines (the config file's pools "
+            f"must name them in engine_cpus)"
+            if args.config
+            else f"engine threads on cores {format_cpu_list(engine_cpus)}"
+        )
+        print(f"{engines}; Ray, the proxies and the router on {format_cpu_list(rest)}")
+    elif engine_cpus:
+        print(
+            f"engine threads on cores {format_cpu_list(engine_cpus)}; the joined cluster's Ray "
+            "processes may still run there unless its nodes were started off them (taskset)"
+        )
+    if not args.address:  # a joined cluster's nodes get NODE_ENV_VARS from `ray start`
+        apply_node_env()
+    context = ray.init(
+        address=args.address,
+        num_cpus=local_cpus,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        ignore_reinit_error=True,
+    )
+    if args.config:
+        grpc_port, http_port = _deploy_config_file(Path(args.config))
+    else:
+        config = _config_from_flags(args)
+        serve.start(
+            http_options={"host": args.host, "port": args.http_port},
+            grpc_options={"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        )
+        serve.run(build_app(config), name=config.name, route_prefix="/")
+        grpc_port, http_port = args.grpc_port, args.http_port
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    dashboard = getattr(context, "dashboard_url", None) or "(dashboard not running)"
+    print(f"pdserve is up.\n  gRPC   {host}:{grpc_port}  (pdserve.v1.Generation)")
+    print(f"  HTTP   http://{host}:{http_port}/v1  (OpenAI-compatible)")
+    print(f"  Ray dashboard  http://{dashboard}  (Serve tab: per-pool replicas)")
+    if args.demo:
+        _demo(f"{host}:{grpc_port}")
+    if args.exit:
+        serve.shutdown()
+        return 0
+    print("Ctrl-C to stop.")
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    return 0
+
+
+def _config_from_flags(args: argparse.Namespace) -> AppConfig:
+    base = default_config(args.model)
+    model = replace(base.model, device=args.device, dtype=args.dtype)
+    gpus = 1.0 if args.device.startswith("cuda") else 0.0
+    pool = {
+        "num_cpus": args.replica_cpus,
+        "num_gpus": gpus,
+        "torch_threads": args.torch_threads,
+        "engine_cpus": args.engine_cpus,
+        "prefix_affinity": args.prefix_affinity,
+    }
+    return replace(
+        base,
+        model=model,
+        mode=args.mode,
+        prefill=replace(
+            base.prefill,
+            replicas=args.prefill_replicas,
+            autoscaling=_autoscaling(args, "prefill", PREFILL_TARGETS),
+            **pool,
+        ),
+        decode=replace(
+            base.decode,
+            replicas=args.decode_replicas,
+            autoscaling=_autoscaling(args, "decode", DECODE_TARGETS),
+            **pool,
+        ),
+    )
+
+
+def _autoscaling(args: argparse.Namespace, pool: str, defaults) -> AutoscalingSettings | None:
+    low = getattr(args, f"{pool}_min_replicas")
+    high = getattr(args, f"{pool}_max_replicas")
+    if low is None and high is None:
+        return None
+    fixed = getattr(args, f"{pool}_replicas")
+    low = fixed if low is None else low
+    high = max(low, fixed) if high is None else high
+    overrides = {
+        "queued_prompt_tokens": args.prefill_target_queued_tokens,
+        "running": args.decode_target_running,
+        "kv_usage": args.decode_target_kv_usage,
+    }
+    targets = tuple((s, overrides[s] or t) for s, t in defaults)
+    return AutoscalingSettings(
+        min_replicas=low,
+        max_replicas=high,
+        initial_replicas=min(max(fixed, low), high),
+        upscale_delay_s=args.upscale_delay,
+        downscale_delay_s=args.downscale_delay,
+        targets=targets,
+    )
+
+
+def _deploy_config_file(path: Path, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Deploy a Serve config file the way `serve run FILE` does (ray/serve/scripts.py): start
+    Serve with the file's proxy options, then hand the whole config to the Serve controller,
+    which builds each application from its `import_path` and `args` and applies the file's
+    `deployments:` overrides over what the code set. Ray has no public Python call for this
+    last step. If Serve already runs, its proxies keep their options (Serve logs a warning).
+    Like `serve deploy`, it deletes applications an earlier config file deployed that this one
+    no longer lists. Blocks until every application is RUNNING: on a cluster the autoscaler
+    may first have to start GPU nodes, hence the long timeout."""
+    import time
+
+    from ray.serve._private.api import serve_start
+    from ray.serve.config import gRPCOptions
+    from ray.serve.schema import ApplicationStatus, ServeDeploySchema
+
+    raw: dict[str, Any] = yaml.safe_load(path.read_text())
+    config = ServeDeploySchema.model_validate(raw)
+    client = serve_start(
+        http_options=config.http_options.model_dump(),
+        grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
+        proxy_location=config.proxy_location,
+        controller_options=config.controller_options,
+    )
+    client.deploy_apps(config)
+    names = [app.name for app in config.applications]
+    failed = (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # Statuses change in the controller's loop: right after apply_config an app that is
+        # being replaced can still read RUNNING, so look only after a pause.
+        time.sleep(1.0)
+        apps = serve.status().applications
+        status = {n: apps[n].status if n in apps else ApplicationStatus.NOT_STARTED for n in names}
+        for name in names:
+            if status[name] in failed:
+                raise RuntimeError(f"{path}: application {name!r}: {apps[name].message}")
+        if all(s == ApplicationStatus.RUNNING for s in status.values()):
+            return config.grpc_options.port, config.http_options.port
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path}: not RUNNING after {timeout_s:.0f}s: {status}")
+
+
+def _demo(target: str) -> None:
+    from cluster.client.generation_client import connect
+    from cluster.pb.pdserve.v1 import generation_pb2 as pb
+
+    prompt = "pdserve splits prefill from decode"
+    sampling = pb.SamplingParams(max_tokens=24, temperature=0.0)
+    print(f"\ndemo request over gRPC: {prompt!r}")
+    text, last = [], None
+    for msg in connect(target).Generate(pb.GenerateRequest(prompt=prompt, sampling=sampling)):
+        text.append(msg.text)
+        last = msg
+    t = last.timing
+    print(f"  -> {''.join(text)!r}")
+    print(
+        f"  {last.usage.completion_tokens} tokens;"
+        f" TTFT {t.time_to_first_token_seconds * 1e3:.1f} ms"
+        f" (prefill {t.prefill_seconds * 1e3:.1f} ms on {t.prefill_replica},"
+        f" KV transfer {t.kv_transfer_seconds * 1e3:.1f} ms),"
+        f" decode {t.decode_seconds * 1e3:.1f} ms on {t.decode_replica}\n"
+    )

@@ -1,0 +1,242 @@
+"""What a `pdserve bench` run measured: throughput, latency distributions as the client saw
+them, the server's phase account of where each request's time went, prefix-cache reuse and
+how the requests spread over the replicas. Built from the load generator's records; renders
+as a Markdown report or a JSON object.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+
+from cluster.client.load_generator import RequestRecord
+
+PERCENTILES = (50, 90, 99)
+# Where a request's end-to-end time, as the client saw it, goes. "proxy": the client's time
+# outside the router's account (Serve's gRPC proxy, both ways, and the network); then the
+# server's `timing`: before the first token, queue + prefill + routing (the rest of the
+# router's TTFT: its hops to the pools, retries); after it, the KV transfer (disaggregated
+# only) + decoding.
+PHASES = ("proxy", "queue", "prefill", "routing", "kv_transfer", "decode")
+# What a dominant phase points at, for the report's last line.
+PHASE_HINTS = {
+    "proxy": "the time is outside pdserve's account (Serve's gRPC proxy, the network, the "
+    "client); check the client machine and its link to the cluster.",
+    "queue": "requests wait for a prefilling engine (the prefill pool, or the colocated one): "
+    "that pool is saturated; add replicas to it (or raise its autoscaling max_replicas).",
+    "prefill": "prompt computation dominates: more prefill replicas raise throughput, not a "
+    "prompt's own time; shared prefixes cut it (see the prefix-cache line above).",
+    "routing": "the router's own hops to the pools dominate, which happens only when the "
+    "model's work is tiny: check the router replicas' CPU.",
+    "kv_transfer": "moving the KV dominates: on GPUs use the nccl transport, otherwise a faster "
+    "network; a decode engine busy with large batches also delays the import.",
+    "decode": "token generation dominates: decode replicas and their batch size "
+    "(scheduler.max_num_seqs) set the throughput, memory bandwidth the time per token.",
+}
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); nan when empty."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Mean and percentiles of one latency, in seconds, over `n` samples."""
+
+    n: int
+    mean: float
+    pct: dict[int, float]
+
+    @staticmethod
+    def of(xs: list[float]) -> Distribution:
+        return Distribution(
+            len(xs),
+            statistics.fmean(xs) if xs else math.nan,
+            {p: percentile(xs, p) for p in PERCENTILES},
+        )
+
+
+def phase_seconds(r: RequestRecord) -> dict[str, float]:
+    """One finished request's end-to-end time split into `PHASES` (seconds, summing to the
+    client's end to end, or the server's `total_seconds` where that is longer)."""
+    t = r.timing
+    assert t is not None
+    routing = max(0.0, t.time_to_first_token - t.queue - t.prefill)
+    decode = max(0.0, t.total - t.time_to_first_token - t.kv_transfer)
+    return {
+        "proxy": max(0.0, r.e2e_s - t.total),
+        "queue": t.queue,
+        "prefill": t.prefill,
+        "routing": routing,
+        "kv_transfer": t.kv_transfer,
+        "decode": decode,
+    }
+
+
+@dataclass(frozen=True)
+class BenchSummary:
+    requests: int
+    completed: int
+    failures: dict[str, int]
+    duration_s: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_prompt_tokens: int
+    reusable_tokens: int
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    e2e: Distribution
+    phase_mean_s: dict[str, float]
+    prefill_replicas: dict[str, int]
+    decode_replicas: dict[str, int]
+    slo_met: int | None = None
+
+    @staticmethod
+    def of(
+        records: list[RequestRecord],
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
+    ) -> BenchSummary:
+        done = [r for r in records if r.ok]
+        if done:
+            began = min(r.sent_s for r in records)
+            duration = max(r.token_times[-1] for r in done) - began
+        else:
+            duration = math.nan
+        phases = [phase_seconds(r) for r in done]
+        slo_met = None
+        if slo_ttft_s is not None or slo_tpot_s is not None:
+            slo_met = sum(_meets(r, slo_ttft_s, slo_tpot_s) for r in done)
+        return BenchSummary(
+            requests=len(records),
+            completed=len(done),
+            failures=dict(Counter(r.status for r in records if not r.ok)),
+            duration_s=duration,
+            prompt_tokens=sum(r.prompt_tokens for r in done),
+            output_tokens=sum(r.output_tokens for r in done),
+            cached_prompt_tokens=sum(r.cached_prompt_tokens for r in done),
+            reusable_tokens=sum(r.reusable_tokens for r in done),
+            ttft=Distribution.of([r.ttft_s for r in done]),
+            tpot=Distribution.of([r.tpot_s for r in done if r.tpot_s is not None]),
+            itl=Distribution.of([g for r in done for g in r.itl_s]),
+            e2e=Distribution.of([r.e2e_s for r in done]),
+            phase_mean_s={
+                k: statistics.fmean(p[k] for p in phases) if phases else math.nan for k in PHASES
+            },
+            prefill_replicas=dict(Counter(r.timing.prefill_replica for r in done if r.timing)),
+            decode_replicas=dict(Counter(r.timing.decode_replica for r in done if r.timing)),
+            slo_met=slo_met,
+        )
+
+    @property
+    def request_throughput(self) -> float:
+        return self.completed / self.duration_s
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.duration_s
+
+    @property
+    def dominant_phase(self) -> str:
+        return max(self.phase_mean_s, key=lambda k: self.phase_mean_s[k])
+
+    def phase_share(self, phase: str) -> float:
+        total = sum(self.phase_mean_s.values())
+        return self.phase_mean_s[phase] / total if total else math.nan
+
+    def to_json(self) -> dict:
+        dist = {
+            name: {"n": d.n, "mean_s": d.mean, **{f"p{p}_s": v for p, v in d.pct.items()}}
+            for name, d in (("ttft", self.ttft), ("tpot", self.tpot), ("itl", self.itl),
+                            ("e2e", self.e2e))
+        }  # fmt: skip
+        return {
+            "requests": self.requests,
+            "completed": self.completed,
+            "failures": self.failures,
+            "duration_s": self.duration_s,
+            "request_throughput": self.request_throughput,
+            "output_token_throughput": self.output_throughput,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "reusable_prompt_tokens": self.reusable_tokens,
+            **dist,
+            "phases_mean_s": self.phase_mean_s,
+            "dominant_phase": self.dominant_phase,
+            "prefill_replicas": self.prefill_replicas,
+            "decode_replicas": self.decode_replicas,
+            "slo_met": self.slo_met,
+        }
+
+    def render(self) -> list[str]:
+        """Markdown lines: totals, the latency table, the phase table."""
+        failed = ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items())) or "none"
+        if not self.completed:
+            return [f"- requests: none of {self.requests} completed (failed: {failed})"]
+        lines = [
+            f"- requests: {self.completed} of {self.requests} completed (failed: {failed}) "
+            f"in {self.duration_s:.2f} s: {self.request_throughput:.2f} requests/s, "
+            f"{self.output_throughput:.1f} output tokens/s",
+            f"- tokens: {self.prompt_tokens} prompt ({self.cached_prompt_tokens} from the "
+            f"prefix cache, {_share(self.cached_prompt_tokens, self.prompt_tokens)}; an "
+            f"unbounded cache could have served {self.reusable_tokens}, "
+            f"{_share(self.reusable_tokens, self.prompt_tokens)}), {self.output_tokens} output",
+            "- requests per replica: prefill "
+            + _spread(self.prefill_replicas)
+            + "; decode "
+            + _spread(self.decode_replicas),
+        ]
+        if self.slo_met is not None:
+            lines.append(
+                f"- within the SLO: {self.slo_met} of {self.requests} requests "
+                f"({_share(self.slo_met, self.requests)}), "
+                f"goodput {self.slo_met / self.duration_s:.2f} requests/s"
+            )
+        pcts = " | ".join(f"p{p}" for p in PERCENTILES)
+        lines += ["", f"| latency (ms) | mean | {pcts} |", "|---|---|" + "---|" * len(PERCENTILES)]
+        for name, d in (
+            ("time to first token", self.ttft),
+            ("time per output token", self.tpot),
+            ("inter-token latency", self.itl),
+            ("end to end", self.e2e),
+        ):
+            cells = " | ".join(f"{d.pct[p] * 1e3:.1f}" for p in PERCENTILES)
+            lines.append(f"| {name} | {d.mean * 1e3:.1f} | {cells} |")
+        lines += [
+            "",
+            "| phase (mean per request) | ms | share of end to end |",
+            "|---|---|---|",
+        ]
+        for k in PHASES:
+            lines.append(f"| {k} | {self.phase_mean_s[k] * 1e3:.1f} | {self.phase_share(k):.1%} |")
+        lines.append(
+            f"\nDominant phase: **{self.dominant_phase}** "
+            f"({self.phase_share(self.dominant_phase):.0%} of the requests' time end to end): "
+            + PHASE_HINTS[self.dominant_phase]
+        )
+        return lines
+
+
+def _meets(r: RequestRecord, ttft: float | None, tpot: float | None) -> bool:
+    if ttft is not None and r.ttft_s > ttft:
+        return False
+    return tpot is None or r.tpot_s is None or r.tpot_s <= tpot
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.1%}" if whole else "n/a"
+
+
+def _spread(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k or '?'} {v}" for k, v in sorted(counts.items())) or "none"

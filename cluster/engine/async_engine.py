@@ -1,0 +1,242 @@
+"""Drive an `Engine` from asyncio: one engine thread, many concurrent request streams.
+
+The engine is single-threaded, so everything that touches it (adding requests, aborting,
+importing or exporting KV, reading stats) is sent to the engine thread as a command and runs
+between two steps. Step outputs are handed back to the event loop, one queue per request, or,
+for a request admitted with `stream_to`, handed to its sink on the engine thread itself (no
+event loop wake-up per step; see decode_worker/token_sender.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
+
+from cluster.engine.engine import Engine
+from cluster.request import Request, StepOutput
+
+T = TypeVar("T")
+
+
+class Flushable(Protocol):
+    def flush(self) -> list[str]:
+        """Send what the step's sinks queued; return the request ids whose streams broke."""
+
+
+class StepSink(Protocol):
+    """Takes one request's outputs on the engine thread. `done` (an asyncio future of the
+    consuming loop) resolves once the last output was taken and fails if delivery broke."""
+
+    done: asyncio.Future
+
+    def put(self, out: StepOutput) -> Flushable: ...
+
+    def fail(self, exc: BaseException) -> None:
+        """Event loop thread: the request will get no more outputs."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
+        self._sinks: dict[str, StepSink] = {}  # engine thread only
+        self._wake = threading.Event()
+        self._stopped = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.step_count = 0
+        self.step_cpu_s = 0.0  # the engine thread's CPU time inside `Engine.step`
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def native_id(self) -> int:
+        """The engine thread's OS thread id (0 before it started)."""
+        return (self._thread.native_id or 0) if self._thread is not None else 0
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        """(all, inside `Engine.step`) CPU seconds of the engine thread since it started; the
+        difference is the loop's own work (commands, handing outputs to sinks and queues)."""
+        if self._thread is None or self._thread.ident is None:
+            return 0.0, 0.0
+        clock = time.pthread_getcpuclockid(self._thread.ident)
+        return time.clock_gettime(clock), self.step_cpu_s
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        self.start()
+        fut: asyncio.Future = self._loop.create_future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return await fut
+
+    async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
+        """Queue `request` and yield its step outputs until it finishes. Closing the iterator
+        early (client gone, task cancelled) aborts the request and frees its blocks."""
+        return await self._stream(request.request_id, lambda e: e.add_request(request))
+
+    async def import_and_generate(
+        self, request: Request, kv, first_token: int
+    ) -> AsyncIterator[StepOutput]:
+        """Import prompt KV computed elsewhere, then yield the decode outputs."""
+        return await self._stream(
+            request.request_id, lambda e: e.import_kv(request, kv, first_token)
+        )
+
+    async def stream_to(
+        self, request_id: str, admit: Callable[[Engine], Any], sink: StepSink
+    ) -> None:
+        """Admit a request (`admit(engine)`, e.g. add or import it) whose outputs go to `sink`
+        on the engine thread; return once its last output was taken. Cancelling the caller, or
+        a broken sink, aborts the request and frees its blocks."""
+
+        def add(engine: Engine) -> None:
+            self._sinks[request_id] = sink
+            try:
+                admit(engine)
+            except BaseException:
+                del self._sinks[request_id]
+                raise
+
+        await self.call(add)
+        try:
+            await sink.done
+        except BaseException:
+            await asyncio.shield(self.call(lambda e: self._drop_sink(e, request_id)))
+            raise
+
+    def _drop_sink(self, engine: Engine, request_id: str) -> None:
+        if self._sinks.pop(request_id, None) is not None:
+            engine.abort(request_id)
+
+    async def _stream(self, request_id: str, admit: Callable[[Engine], Any]):
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        try:
+            await self.call(admit)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return self._drain(request_id, q)
+
+    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[StepOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                await asyncio.shield(self.call(lambda e: e.abort(request_id)))
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._run_commands()
+            if not self.engine.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            began = time.thread_time()
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # a bug in the step: fail every stream, keep serving
+                self._fail_all(exc)
+                continue
+            finally:
+                self.step_cpu_s += time.thread_time() - began
+            self.step_count += 1
+            if outputs and self._sinks:
+                outputs = self._to_sinks(outputs)
+            if outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:
+                self._loop.call_soon_threadsafe(_settle, fut, None, exc)
+            else:
+                self._loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    def _to_sinks(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Engine thread: hand outputs with a sink to it, one flush per connection; return
+        the rest (for the event loop's queues)."""
+        rest: list[StepOutput] = []
+        touched: dict[int, Flushable] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                rest.append(out)
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            conn = sink.put(out)
+            touched[id(conn)] = conn
+        for conn in touched.values():
+            for request_id in conn.flush():
+                self._drop_sink(self.engine, request_id)
+        return rest
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        ids = list(self.engine.seqs)
+        for rid in ids:
+            self.engine.abort(rid)
+        sinks, self._sinks = list(self._sinks.values()), {}
+        for sink in sinks:  # the abort outputs are lost with the step: fail the sinks directly
+            self._loop.call_soon_threadsafe(sink.fail, exc)
+        self._loop.call_soon_threadsafe(self._fail_streams, exc)
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        for q in self._streams.values():
+            q.put_nowait(exc)
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,258 @@
+"""The engine: a model runner over a paged KV pool, driven by a continuous-batching scheduler.
+
+`step()` has three beats: schedule, run the model, update state. Roles differ only in what
+requests they are given: the prefill pool submits `prefill_only` requests (the engine stops
+after the first token and holds the prompt's KV for export), the decode pool imports KV with
+`import_kv` and decodes, and a colocated engine does both for plain requests.
+
+Not thread-safe: one thread drives an engine (see `AsyncEngine` for use from asyncio).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.kv_cache import KVCache, KVExport, KVLayout
+from cluster.engine.model_runner import ModelRunner
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.sequence import Sequence, SequenceStatus
+from cluster.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from cluster.model.loader import LoadedModel, load_model
+from cluster.request import FinishReason, Request, RequestOutput, StepOutput, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_held: int  # blocks pinned for export (prefill role)
+    kv_blocks_cached: int  # blocks registered in the prefix cache, in use or reclaimable
+    running: int
+    waiting: int
+    held: int
+    queued_prompt_tokens: int  # prompt tokens still to prefill (cached prefixes not counted)
+    generated_tokens: int  # tokens sampled by this engine since it was made
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model)
+        self.info = self.loaded.info
+        spec = self.info.spec
+        self.tokenizer = self.info.tokenizer
+        self.device = torch.device(config.model.device)
+        self.max_model_len = self.info.max_model_len
+        self.layout = KVLayout(
+            model_id=self.info.model_id,
+            dtype=config.model.dtype,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            block_size=config.cache.block_size,
+        )
+        self.kv_cache = KVCache(
+            self.layout, config.cache.num_blocks, config.model.torch_dtype, self.device
+        )
+        self.blocks = BlockManager(
+            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.device)
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[StepOutput] = []
+        self.generated_tokens = 0
+
+    # -- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a request. Raises InvalidArgument / ResourceExhausted."""
+        seq = self._new_sequence(request)
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise ResourceExhausted("engine queue is full")
+        self._admit(seq)
+        self.scheduler.add(seq)
+
+    def import_kv(self, request: Request, kv: KVExport, first_token: int) -> None:
+        """Join a sequence whose prompt KV was computed elsewhere: copy `kv` into our own free
+        blocks, append the first token sampled by the prefill side, and decode from there."""
+        self.layout.check_matches(kv.layout)
+        if kv.num_tokens != len(request.prompt_token_ids):
+            raise FailedPrecondition(
+                f"KV covers {kv.num_tokens} tokens, prompt has {len(request.prompt_token_ids)}"
+            )
+        seq = self._new_sequence(request)
+        n = self.blocks.blocks_for(kv.num_tokens)
+        shape = (self.layout.num_layers, n, *self.layout.block_shape)
+        if tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
+            raise FailedPrecondition(f"KV tensor shape {tuple(kv.k.shape)} is not {shape}")
+        if not self.blocks.can_allocate(n):
+            raise ResourceExhausted(f"no room to import {n} KV blocks")
+        seq.block_table = self.blocks.allocate(n)
+        self.kv_cache.write(seq.block_table, kv.k, kv.v)
+        seq.num_computed_tokens = kv.num_tokens
+        self.scheduler.register_blocks(seq, 0)
+        self._admit(seq)
+        self.scheduler.add_running(seq)
+        # The prefill side already streamed this token and its text; only a finish is news.
+        out = self._append(seq, first_token)
+        if out.finished:
+            self._pending.append(replace(out, token_ids=()))
+
+    def _new_sequence(self, request: Request) -> Sequence:
+        rid, ids = request.request_id, request.prompt_token_ids
+        if rid in self.seqs:
+            raise InvalidArgument(f"request_id {rid!r} is already in flight", param="request_id")
+        self.info.check_request(ids, request.params)
+        longest = min(len(ids) + request.params.max_tokens, self.max_model_len)
+        if self.blocks.blocks_for(longest) > self.blocks.num_blocks:
+            raise InvalidArgument(
+                f"prompt of {len(ids)} tokens plus max_tokens {request.params.max_tokens} "
+                f"does not fit in this worker's KV pool of {self.blocks.num_blocks} blocks",
+                param="max_tokens",
+            )
+        seed = request.params.seed
+        return Sequence(
+            request,
+            seed if seed is not None else random.getrandbits(63),
+            self.info.eos_token_ids,
+        )
+
+    def _admit(self, seq: Sequence) -> None:
+        self.seqs[seq.request_id] = seq
+        if self.tokenizer is not None:
+            self.detok[seq.request_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], seq.params.stop
+            )
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run the model, update state. Returns what each request gained."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.scheduled:
+            tokens, logprobs = self.runner.run(plan.scheduled)
+            self.scheduler.computed(plan.scheduled)
+            sampling = [s for s in plan.scheduled if s.samples]
+            self.generated_tokens += len(sampling)
+            for s, token, lp in zip(sampling, tokens, logprobs, strict=True):
+                outputs.append(self._append(s.seq, token, lp))
+        return outputs
+
+    def _append(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None
+    ) -> StepOutput:
+        reason = seq.append_token(token, self.max_model_len)
+        detok = self.detok.get(seq.request_id)
+        if detok is not None and detok.add(token) and reason in (None, "prefilled"):
+            reason = "stop"
+        # Text held back for a possible stop string stays held across the prefill->decode hop.
+        final = reason not in (None, "prefilled")
+        text = detok.take(final=final) if detok is not None else ""
+        if reason is not None:
+            self._finish(seq, reason)
+        queued, cached = 0.0, 0
+        if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
+            queued = seq.first_scheduled_time - seq.request.arrival_time
+            cached = seq.num_cached_tokens
+        return StepOutput(
+            request_id=seq.request_id,
+            token_ids=(token,),
+            text=text,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            queue_seconds=queued,
+            num_cached_tokens=cached,
+            logprobs=() if logprobs is None else (logprobs,),
+        )
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.remove(seq)
+        seq.finish_reason = reason
+        self.detok.pop(seq.request_id, None)
+        if reason == "prefilled":
+            seq.status = SequenceStatus.HELD
+            return
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        self.seqs.pop(seq.request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if it is unknown."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        if seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
+            self.scheduler.remove(seq)
+            self.detok.pop(request_id, None)
+            n_prompt, n_out = seq.num_prompt_tokens, seq.num_output_tokens
+            self._pending.append(StepOutput(request_id, (), "", "abort", n_prompt, n_out))
+        self._free(seq)
+        return True
+
+    # -- KV export -------------------------------------------------------------------------
+
+    def held_blocks(self, request_id: str) -> tuple[list[int], int]:
+        """Block ids and token count of a held (prefilled) sequence's prompt KV."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.HELD:
+            raise NotFound(f"no held KV for request {request_id!r}")
+        return list(seq.block_table), seq.num_prompt_tokens
+
+    def export_kv(self, request_id: str) -> KVExport:
+        """Copy out the prompt KV of a held sequence. The blocks stay held until `release`."""
+        block_ids, num_tokens = self.held_blocks(request_id)
+        k, v = self.kv_cache.read(block_ids)
+        return KVExport(self.layout, num_tokens, k, v)
+
+    def release(self, request_id: str) -> bool:
+        """Free a held sequence's blocks (fetched, expired or aborted). Idempotent."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.HELD:
+            return False
+        self._free(seq)
+        return True
+
+    # -- conveniences ----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        held = [s for s in self.seqs.values() if s.status is SequenceStatus.HELD]
+        return EngineStats(
+            kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_held=sum(len(s.block_table) for s in held),
+            kv_blocks_cached=self.blocks.num_cached,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            held=len(held),
+            queued_prompt_tokens=self.scheduler.tokens_to_prefill(),
+            generated_tokens=self.generated_tokens,
+        )
+
+    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """Run requests to completion (all queued at once); outputs in request order."""
+        results = {}
+        for r in requests:
+            self.add_request(r)
+            results[r.request_id] = RequestOutput(r.request_id)
+        while self.has_work():
+            for out in self.step():
+                results[out.request_id].add(out)
+        return list(results.values())

@@ -1,0 +1,108 @@
+"""Run one scheduled batch through the model and sample the sequences that reached their end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.kv_cache import KVCache
+from cluster.engine.sampler import Sampler
+from cluster.engine.scheduler import ScheduledSeq
+from cluster.model.attention import AttentionMetadata, build_decode_group, build_prefill_group
+from cluster.model.decode_attention import select_decode_attention
+from cluster.model.decoder import CausalLM
+from cluster.request import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] flat index of each sampling sequence's last token
+    samplers: list[ScheduledSeq]  # the S sequences that sample, in row order
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.layout.block_size
+        self.sliding_window = model.spec.sliding_window
+        self.decode_attention = select_decode_attention(device, self.sliding_window)
+        self.sampler = Sampler()
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        for s in scheduled:
+            starts.append(len(ids))
+            span = range(s.start, s.start + s.num_tokens)
+            ids.extend(s.seq.token_ids[s.start : s.start + s.num_tokens])
+            positions.extend(span)
+            table, bs = s.seq.block_table, self.block_size
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+        # One query per sequence (decode, or a one-token prefill chunk) attends through the
+        # decode path; in a batch with no prefill group its rows are 0..T-1 in order.
+        dec = [i for i, s in enumerate(scheduled) if s.num_tokens == 1]
+        pre = [i for i, s in enumerate(scheduled) if s.num_tokens > 1]
+        decode = prefill = None
+        if dec:
+            decode = build_decode_group(
+                [starts[i] for i in dec],
+                [scheduled[i].start for i in dec],
+                [scheduled[i].seq.block_table for i in dec],
+                self.device,
+            )
+        if pre:
+            prefill = build_prefill_group(
+                [starts[i] for i in pre],
+                [scheduled[i].num_tokens for i in pre],
+                [scheduled[i].start for i in pre],
+                [scheduled[i].seq.block_table for i in pre],
+                self.block_size,
+                self.sliding_window,
+                self.device,
+            )
+        samplers = [s for s in scheduled if s.samples]
+        rows = [starts[i] + s.num_tokens - 1 for i, s in enumerate(scheduled) if s.samples]
+
+        def tensor(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+        return ForwardBatch(
+            input_ids=tensor(ids),
+            positions=tensor(positions),
+            attention=AttentionMetadata(
+                slot_mapping=tensor(slots),
+                decode=decode,
+                prefill=prefill,
+                decode_attention=self.decode_attention,
+            ),
+            sample_rows=tensor(rows),
+            samplers=samplers,
+        )
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Compute KV for every scheduled token; return, per sampling seq, the sampled token
+        and (if its request asked) the token's logprobs."""
+        batch = self.prepare(scheduled)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_cache.layers(), batch.attention
+        )
+        if not batch.samplers:
+            return [], []
+        logits = self.model.logits(hidden[batch.sample_rows])  # [S, vocab]
+        seqs = [s.seq for s in batch.samplers]
+        tokens = self.sampler(
+            logits,
+            [q.params for q in seqs],
+            [q.seed for q in seqs],
+            [q.num_output_tokens for q in seqs],
+        )
+        return tokens, self.sampler.logprobs(logits, tokens, [q.params.logprobs for q in seqs])

@@ -1,0 +1,8 @@
+"""The model plane: one Llama-family decoder (`decoder`) with its layers and CPU kernels
+(`attention`, `decode_attention`, `linear`, `rope`, `native` + `csrc/`), the checkpoint loader
+(`loader`), what a checkpoint is without its weights (`info`, light enough for the router), and
+the factories that write deterministic random-weight checkpoints and tokenizers for tests and
+demos (`make_model`, `tokenizer_factory`).
+
+May import: the `cluster` root modules only.
+"""

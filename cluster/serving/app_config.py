@@ -1,0 +1,209 @@
+"""The whole application's configuration, built once at the top and sliced per deployment.
+
+Accepts the plain dict a Serve config file's `args:` holds (see `AppConfig.from_dict`), so the
+same settings come from Python, from `serve run`/`serve deploy` files and from the CLI.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
+from cluster.errors import InvalidArgument
+from cluster.serving.autoscaling import (
+    DECODE_TARGETS,
+    PREFILL_TARGETS,
+    ROUTER_TARGETS,
+    AutoscalingSettings,
+)
+from cluster.serving.cpu_affinity import parse_cpu_list
+
+Mode = Literal["disaggregated", "colocated"]
+TokenStream = Literal["direct", "serve"]
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One deployment's replicas and resources, and (for engine pools) its KV pool and
+    scheduler. `torch_threads` 0 keeps torch's default."""
+
+    replicas: int = 1  # fixed size; ignored when `autoscaling` is set
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: tuple[tuple[str, float], ...] = ()
+    torch_threads: int = 0
+    # Python's GIL switch interval in this pool's engine replicas. The engine thread shares the
+    # GIL with Serve's event loop; at Python's default (5 ms) each burst of the loop's work
+    # stalls the step for its whole length (benchmarks/interference_bench.py).
+    gil_switch_interval_s: float = 5e-5
+    # Cores this pool's engine threads run on (a Linux cpu list, "2" or "2-3", or a list of
+    # ints); () = wherever the OS puts them. Keep Ray's own processes off them by starting Ray
+    # from a process that is (`pdserve serve --engine-cpus`, or `taskset`;
+    # cluster/serving/cpu_affinity.py).
+    engine_cpus: tuple[int, ...] = ()
+    # Requests one replica works on at once; 0 = what it can really hold (its max_num_seqs).
+    max_ongoing_requests: int = 0
+    # Requests waiting for a replica beyond that; more are refused at once. 0 = 4x ongoing.
+    max_queued_requests: int = 0
+    autoscaling: AutoscalingSettings | None = None
+    # Pools that prefill (prefill, colocated) with their prefix cache on: send a prompt to the
+    # replica that was last sent the longest start of it (router/prefix_affinity.py), unless
+    # that replica has more than `affinity_max_imbalance` requests open beyond the least loaded
+    # one: queueing behind others can cost more than computing the prefix again elsewhere.
+    # Off: Serve's power of two choices. The decode pool in disaggregated mode ignores both.
+    prefix_affinity: bool = True
+    affinity_max_imbalance: int = 2
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise InvalidArgument("replicas must be >= 1")
+        if not 0 < self.gil_switch_interval_s <= 1:
+            raise InvalidArgument("gil_switch_interval_s must be in (0, 1]")
+        if self.num_cpus < 0 or self.num_gpus < 0 or self.torch_threads < 0:
+            raise InvalidArgument("num_cpus, num_gpus and torch_threads must be >= 0")
+        if self.max_ongoing_requests < 0 or self.max_queued_requests < 0:
+            raise InvalidArgument("max_ongoing_requests and max_queued_requests must be >= 0")
+        if self.affinity_max_imbalance < 0:
+            raise InvalidArgument("affinity_max_imbalance must be >= 0")
+        object.__setattr__(self, "engine_cpus", parse_cpu_list(self.engine_cpus))
+
+    @property
+    def ongoing_limit(self) -> int:
+        return self.max_ongoing_requests or self.scheduler.max_num_seqs
+
+    @property
+    def queued_limit(self) -> int:
+        return self.max_queued_requests or 4 * self.ongoing_limit
+
+    def with_default_targets(self, targets: tuple[tuple[str, float], ...]) -> PoolConfig:
+        """Fill the pool's autoscaling targets with `targets` if none were configured."""
+        if self.autoscaling is None or self.autoscaling.targets:
+            return self
+        return replace(self, autoscaling=replace(self.autoscaling, targets=targets))
+
+    def actor_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        return opts
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    model: ModelConfig
+    mode: Mode = "disaggregated"
+    router: PoolConfig = field(
+        default_factory=lambda: PoolConfig(num_cpus=0.5, max_ongoing_requests=1024)
+    )
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    default_max_tokens: int = 256
+    request_timeout_seconds: float = 300.0
+    # Retries of the prefill hop (and of the whole request when a lease expired) on UNAVAILABLE.
+    max_retries: int = 2
+    # How workers' tokens reach the router: "direct" = from the engine thread over TCP to the
+    # router's token stream server; "serve" = yielded back through the Serve handle call.
+    token_stream: TokenStream = "direct"
+    name: str = "pdserve"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise InvalidArgument(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        # Cross-pool contract: both pools must lay out KV blocks the same way.
+        if self.prefill.cache.block_size != self.decode.cache.block_size:
+            raise InvalidArgument("prefill and decode pools must use the same KV block_size")
+        if self.default_max_tokens <= 0 or self.request_timeout_seconds <= 0:
+            raise InvalidArgument("default_max_tokens and request_timeout_seconds must be > 0")
+        if self.max_retries < 0:
+            raise InvalidArgument("max_retries must be >= 0")
+        if self.router.engine_cpus:
+            raise InvalidArgument("engine_cpus is for the engine pools; the router has no engine")
+        if self.token_stream not in ("direct", "serve"):
+            raise InvalidArgument(
+                f"token_stream must be direct or serve, got {self.token_stream!r}"
+            )
+        if self.transfer.transport == "nccl" and not self.model.device.startswith("cuda"):
+            raise InvalidArgument("transport nccl moves KV between GPUs: it needs device cuda")
+
+    def resolved(self) -> AppConfig:
+        """Fill what is derived at build time: the capability secret (one per application)
+        and each pool's default autoscaling signals."""
+        config = self
+        if not self.transfer.secret:
+            secret = secrets.token_hex(32)
+            config = replace(config, transfer=replace(self.transfer, secret=secret))
+        return replace(
+            config,
+            router=config.router.with_default_targets(ROUTER_TARGETS),
+            prefill=config.prefill.with_default_targets(PREFILL_TARGETS),
+            decode=config.decode.with_default_targets(DECODE_TARGETS),
+        )
+
+    def engine_config(self, pool: Literal["prefill", "decode", "colocated"]) -> EngineConfig:
+        p = self.prefill if pool == "prefill" else self.decode
+        return EngineConfig(
+            model=self.model,
+            cache=p.cache,
+            scheduler=p.scheduler,
+            role=pool,
+            default_max_tokens=self.default_max_tokens,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AppConfig:
+        """Build from nested plain dicts (unknown keys are refused, naming the key)."""
+        return _build(cls, d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _dump(self)
+
+
+def _build(cls, d: dict[str, Any]):
+    if not isinstance(d, dict):
+        raise InvalidArgument(f"{cls.__name__} must be a mapping, got {type(d).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(d) - set(known)
+    if unknown:
+        raise InvalidArgument(f"unknown {cls.__name__} keys: {sorted(unknown)}")
+    kwargs = {}
+    for name, value in d.items():
+        sub = _NESTED.get((cls, name))
+        if sub is not None and value is not None:
+            kwargs[name] = _build(sub, value)
+        elif name in ("resources", "targets"):
+            kwargs[name] = tuple(sorted((str(k), float(v)) for k, v in dict(value).items()))
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _dump(obj) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        out = {}
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            if f.name in ("resources", "targets"):
+                out[f.name] = dict(v)
+            elif f.name == "engine_cpus":
+                out[f.name] = list(v)
+            else:
+                out[f.name] = _dump(v)
+        return out
+    return obj
+
+
+_NESTED = {
+    (AppConfig, "model"): ModelConfig,
+    (AppConfig, "router"): PoolConfig,
+    (AppConfig, "prefill"): PoolConfig,
+    (AppConfig, "decode"): PoolConfig,
+    (AppConfig, "transfer"): TransferConfig,
+    (PoolConfig, "cache"): CacheConfig,
+    (PoolConfig, "autoscaling"): AutoscalingSettings,
+    (PoolConfig, "scheduler"): SchedulerConfig,
+}

@@ -1,0 +1,64 @@
+"""Payloads between the router and the two pools (passed through Ray Serve handles)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.kv_transfer.kv_handle import KVHandle
+from cluster.request import Request, StepOutput
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The prefill hop's answer: the first token (already a whole `StepOutput`) and, unless the
+    request finished on it, the handle to the prompt's KV, pinned under a lease."""
+
+    first: StepOutput
+    handle: KVHandle | None
+    replica_id: str
+    queue_seconds: float
+    prefill_seconds: float
+
+
+@dataclass(frozen=True)
+class TokenRoute:
+    """Where a worker sends a request's outputs in the direct token stream: the router's token
+    server (host:port) and the stream's key, a random secret only the router and this call
+    know; the router drops a connection that sends a stream's outputs with another key."""
+
+    endpoint: str
+    key: bytes
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request: Request
+    handle: KVHandle
+    first_token: int
+
+
+@dataclass(frozen=True)
+class WorkerChunk:
+    """One streamed step of a decode (or colocated) worker. The first chunk of a stream carries
+    the worker's phase times; later ones leave them at zero."""
+
+    output: StepOutput
+    replica_id: str
+    kv_transfer_seconds: float = 0.0
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    pool: str
+    replica_id: str
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_leased: int
+    running: int
+    waiting: int
+    queued_prompt_tokens: int
+    kv_blocks_cached: int = 0
+    generated_tokens: int = 0
+    updated_at: float = 0.0

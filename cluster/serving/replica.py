@@ -1,0 +1,161 @@
+"""What every engine replica shares: identity, torch threads, its engine thread, health, the
+stats it reports (for `GetStats`, the metrics and the autoscaler), and a clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+
+import torch
+
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import Engine
+from cluster.engine.engine_timing import timed_decode
+from cluster.errors import InvalidArgument, Unavailable
+from cluster.serving.app_config import AppConfig
+from cluster.serving.cpu_affinity import engine_cores, format_cpu_list, thread_cpus
+from cluster.serving.metrics import PoolMetrics
+from cluster.serving.pool_messages import ReplicaStats
+from cluster.serving.stats_registry import registry
+
+log = logging.getLogger(__name__)
+REPORT_INTERVAL_S = 1.0
+MAX_TIMED_TOKENS = 4096
+
+
+def replica_id() -> str:
+    """Serve's replica id when running inside Serve, else a process-unique id."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:
+        return f"local-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class EngineReplica:
+    """Base of the prefill, decode and colocated deployments. Subclasses call `_start` from
+    their constructor and `_shutdown` from `__del__`."""
+
+    pool: str
+
+    def _start(self, config: AppConfig, pool: str) -> None:
+        self.pool = pool
+        pool_config = config.prefill if pool == "prefill" else config.decode
+        if pool_config.torch_threads > 0:
+            torch.set_num_threads(pool_config.torch_threads)
+        sys.setswitchinterval(pool_config.gil_switch_interval_s)
+        self.config = config
+        self.replica_id = replica_id()
+        # Made and started on the engine cores: the engine thread and torch's threads inherit
+        # them; this (event loop) thread gets its own mask back.
+        with engine_cores(pool_config.engine_cpus) as cores:
+            self.engine = AsyncEngine(Engine(config.engine_config(pool)))
+            self.engine.start()
+        if cores:
+            log.info("%s engine thread pinned to cores %s", pool, format_cpu_list(cores))
+        self.layout = self.engine.engine.layout
+        self.metrics = PoolMetrics(pool)
+        self.registry = registry(config.name)
+        self.last_stats: ReplicaStats | None = None
+        self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+
+    async def stats(self) -> ReplicaStats:
+        s = await self.engine.call(lambda e: e.stats())
+        return ReplicaStats(
+            pool=self.pool,
+            replica_id=self.replica_id,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_leased=s.kv_blocks_held,
+            kv_blocks_cached=s.kv_blocks_cached,
+            running=s.running,
+            waiting=s.waiting,
+            queued_prompt_tokens=s.queued_prompt_tokens,
+            generated_tokens=s.generated_tokens,
+            updated_at=time.time(),
+        )
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling hook: this replica's load signals (see autoscaling.py).
+        Answers from the last report, so a long engine step never delays it."""
+        s = self.last_stats
+        if s is None:
+            return {}
+        return {
+            "queued_prompt_tokens": float(s.queued_prompt_tokens),
+            "running": float(s.running),
+            "kv_usage": s.kv_blocks_used / max(1, s.kv_blocks_total),
+        }
+
+    async def time_decode(self, prompt_token_ids: list[int], max_tokens: int) -> list[float]:
+        """This replica's engine alone: one batch-1 greedy generation (ignore_eos) stepped in
+        a plain loop on the engine thread, with no Serve, token stream or gRPC on its path;
+        [seconds, engine-thread CPU seconds] per output token over tokens 2..N. The serving
+        benchmark's reference (same weights in the same memory as the served runs). Other
+        requests wait while it runs, so a replica with work refuses it (UNAVAILABLE)."""
+        if not 3 <= max_tokens <= MAX_TIMED_TOKENS:
+            raise InvalidArgument(f"max_tokens must be in 3..{MAX_TIMED_TOKENS}")
+
+        def run(engine: Engine) -> list[float]:
+            if engine.has_work():
+                raise Unavailable("the engine has requests; time_decode needs an idle replica")
+            return list(timed_decode(engine, list(prompt_token_ids), max_tokens))
+
+        return await self.engine.call(run)
+
+    async def engine_thread_id(self) -> int:
+        """The engine thread's OS thread id, for readings of /proc/PID/task/TID on this node
+        (the serving benchmark's scheduler accounting of served runs)."""
+        return self.engine.native_id
+
+    async def engine_cpu(self) -> list[float]:
+        """[all, inside `Engine.step`] CPU seconds of the engine thread since it started."""
+        return list(self.engine.cpu_seconds())
+
+    async def cpu_affinity(self) -> dict[str, list[int]]:
+        """The cores the engine thread and this replica's other threads may run on."""
+        return {
+            "engine": list(thread_cpus(self.engine.native_id)),
+            "replica": list(thread_cpus(threading.get_native_id())),
+        }
+
+    async def check_health(self) -> None:
+        """Serve's health probe: the engine thread must be alive."""
+        if not self.engine.alive():
+            raise RuntimeError("engine thread is not running")
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                await self._report()
+            except Exception:  # reporting must never take the replica down
+                log.exception("stats report failed")
+            await asyncio.sleep(REPORT_INTERVAL_S)
+
+    async def _report(self) -> None:
+        s = await self.stats()
+        self.last_stats = s
+        self.metrics.set("pdserve_replica_up", 1.0)
+        self.metrics.set("pdserve_kv_cache_usage", s.kv_blocks_used / max(1, s.kv_blocks_total))
+        self.metrics.set("pdserve_running_sequences", s.running)
+        self.metrics.set("pdserve_waiting_sequences", s.waiting)
+        self.metrics.set("pdserve_queued_prompt_tokens", s.queued_prompt_tokens)
+        await self.registry.put.remote(s)
+
+    async def _shutdown(self) -> None:
+        """Abort what is still running (streams end with finish reason "abort"), then stop."""
+        self._reporter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reporter
+        await self.engine.call(lambda e: [e.abort(rid) for rid in list(e.seqs)])
+        await asyncio.sleep(0.1)  # let the abort outputs reach their streams
+        with contextlib.suppress(Exception):
+            await self.registry.remove.remote(self.pool, self.replica_id)
+        await self.engine.stop()

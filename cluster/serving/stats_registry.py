@@ -1,0 +1,43 @@
+"""Where every engine replica reports its KV and queue numbers, so `GetStats` can list them all.
+
+Serve handles route each call to one replica, so the router cannot ask every replica itself.
+Instead each engine replica pushes its `ReplicaStats` to one named Ray actor per application on
+a short timer (see `EngineReplica`) and removes itself at shutdown; entries that stop arriving
+(a replica that died) age out after `ttl`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from cluster.serving.pool_messages import ReplicaStats
+
+
+@ray.remote(num_cpus=0)
+class StatsRegistry:
+    def __init__(self, ttl_seconds: float = 10.0) -> None:
+        self.ttl = ttl_seconds
+        self.entries: dict[tuple[str, str], ReplicaStats] = {}
+
+    def put(self, stats: ReplicaStats) -> None:
+        self.entries[(stats.pool, stats.replica_id)] = stats
+
+    def remove(self, pool: str, replica_id: str) -> None:
+        self.entries.pop((pool, replica_id), None)
+
+    def list(self) -> list[ReplicaStats]:
+        now = time.time()
+        self.entries = {k: v for k, v in self.entries.items() if now - v.updated_at < self.ttl}
+        return sorted(self.entries.values(), key=lambda s: (s.pool, s.replica_id))
+
+
+def registry(app_name: str):
+    """The application's registry actor, created by whoever asks first."""
+    return StatsRegistry.options(
+        name=f"pdserve-stats-{app_name}",
+        namespace="pdserve",
+        get_if_exists=True,
+        lifetime="detached",
+    ).remote()

@@ -175,14 +175,16 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def default_model_dir() -> Path:
-    """The `tiny` checkpoint (seed 0) in the cache, built on first use; safe across processes.
-
-    The cache root is $PDSERVE_CACHE if set, else ~/.cache/pdserve; the checkpoint lives in
-    `<root>/models/tiny-<FORMAT_VERSION>`.
-    """
+def cache_dir(preset: str) -> Path:
+    """Where the cache keeps `preset`'s seed-0 checkpoint (the one home of that path):
+    `<root>/models/<preset>-<FORMAT_VERSION>`, root $PDSERVE_CACHE if set, else ~/.cache/pdserve."""
     root = os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve"
-    out = Path(root).expanduser().absolute() / "models" / f"tiny-{FORMAT_VERSION}"
+    return Path(root).expanduser().absolute() / "models" / f"{preset}-{FORMAT_VERSION}"
+
+
+def cached_model(preset: str = "tiny") -> Path:
+    """`preset`'s seed-0 checkpoint in the cache, built on first use; safe across processes."""
+    out = cache_dir(preset)
     if _is_checkpoint(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -190,10 +192,15 @@ def default_model_dir() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not _is_checkpoint(out):
             try:
-                make_model("tiny", out, seed=0)
+                make_model(preset, out, seed=0)
             except FileExistsError:  # built by a process that does not share our lock
                 pass
     return out
+
+
+def default_model_dir() -> Path:
+    """The `tiny` checkpoint the demo and the CLI serve when no model is given."""
+    return cached_model("tiny")
 
 
 def _is_checkpoint(path: Path) -> bool:

@@ -1,4 +1,5 @@
-# pdserve: `make run` brings up the cluster on the embedded tiny model; `make test` runs the tests.
+# pdserve: `make run` brings up the cluster on the embedded tiny model; `make test` runs the tests
+# (`make test-fast`: those that do not start Ray).
 # Both create .venv and install everything on first use. On a CPU machine torch is pinned to the
 # CPU wheel first, so pip never pulls a CUDA build; GPU users: `make run TORCH_SPEC=torch`.
 
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint
+.PHONY: setup run test test-fast lint
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,6 +23,10 @@ run: setup
 
 test: setup
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# Everything that does not start Ray: a few minutes at most.
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -9,7 +9,6 @@ import torch
 
 from cluster.errors import InvalidArgument
 
-EngineRole = Literal["prefill", "decode", "colocated"]
 TransportName = Literal["grpc", "gloo", "nccl"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -123,11 +122,8 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    role: EngineRole = "colocated"
     default_max_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "colocated"):
-            raise InvalidArgument(f"role must be prefill, decode or colocated, got {self.role!r}")
         if self.default_max_tokens <= 0:
             raise InvalidArgument("default_max_tokens must be positive")

@@ -88,10 +88,6 @@ class PrefillWorker(EngineReplica):
             prefill_seconds=prefill_seconds,
         )
 
-    async def release(self, request_id: str, reason: str = "aborted") -> bool:
-        """Free a lease now (the router gave up on the request)."""
-        return await self.leases.release(request_id, reason)
-
     async def _report(self) -> None:
         await super()._report()
         expired = self.leases.expired

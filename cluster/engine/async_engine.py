@@ -16,7 +16,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
+import torch
+
 from cluster.engine.engine import Engine
+from cluster.engine.kv_cache import KVCache, KVLayout
+from cluster.errors import NotFound
 from cluster.request import Request, StepOutput
 
 T = TypeVar("T")
@@ -77,6 +81,35 @@ class AsyncEngine:
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    # -- from any thread, without waiting for a step ---------------------------------------
+
+    @property
+    def layout(self) -> KVLayout:
+        """The KV pool's layout fingerprint (fixed when the engine was made)."""
+        return self.engine.layout
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model and the KV pool live."""
+        return self.engine.device
+
+    def read_held_kv(
+        self, request_id: str, block_ids: list[int], read: Callable[[KVCache], T]
+    ) -> T:
+        """`read(pool)` on the calling thread, beside the engine thread, once the engine is
+        seen to hold `request_id`'s prompt KV on exactly `block_ids` (NotFound if not).
+
+        Only for blocks the caller keeps pinned (a lease's fetch, between the lease keeper's
+        `begin_fetch` and `end_fetch`): while they are pinned the engine neither frees nor
+        reuses them, and nothing writes them (a held sequence's prompt is complete; its full
+        blocks are shared read-only through the prefix cache), so `read` sees settled data
+        while the engine writes other blocks of the same pool. The check is one lookup, made
+        under the GIL; the pin keeps its answer true for the rest of the read."""
+        held, _ = self.engine.held_blocks(request_id)
+        if held != block_ids:
+            raise NotFound(f"the KV blocks of request {request_id!r} are no longer held")
+        return read(self.engine.kv_cache)
 
     async def stop(self) -> None:
         self._stopped = True

@@ -1,23 +1,25 @@
-"""Allocation of the paged KV pool's blocks, with prefix caching.
+"""`BlockManager`: the only owner of the paged KV pool's blocks, with prefix caching.
 
-Ownership: a block id belongs to whoever holds a reference to it. `allocate` returns blocks with
-one reference each; `share` and `lookup` add a reference; `free` drops one reference per id. A
-block whose count reaches zero is free: nobody may read it again without getting it anew from
-`allocate` or `lookup`.
+Ownership: a block id belongs to whoever holds a reference to it; a sequence holds one
+reference to each block of its `block_table`, and only this class writes a block table. The
+engine and the scheduler ask it: `reserve` grows a sequence's table with new blocks (one
+reference each), `reuse_cached_prefix` starts an empty table with cached blocks (a new
+reference each), `free` drops the sequence's reference to every block of its table and empties
+it. A block whose count reaches zero is free: nobody may read it again without getting it anew.
 
 Prefix caching (`enable_caching`): a full block whose KV has been computed may be `register`ed
 under its content hash (`cluster.engine.prefix_hash`). When its last reference goes, it keeps its
-contents and hash as a free but *cached* block; `lookup` hands it out again, with a new
-reference, to a sequence whose prefix has the same hashes. `allocate` takes never-cached blocks
-first, then the cached ones least recently freed first, forgetting their hash. Free counts
-include cached blocks: they are reclaimable at any time.
+contents and hash as a free but *cached* block; `reuse_cached_prefix` hands it out again to a
+sequence whose prefix has the same hashes. New blocks are never-cached ones first, then the
+cached ones least recently freed first, which forget their hash. Free counts include cached
+blocks: they are reclaimable at any time.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from cluster.errors import ResourceExhausted
+from cluster.engine.sequence import Sequence
 
 
 class BlockManager:
@@ -47,35 +49,36 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
 
-    def allocate(self, n: int) -> list[int]:
-        if n > self.num_free:
-            raise ResourceExhausted(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
-        ids = []
-        for _ in range(n):
-            if self._free:
-                i = self._free.popleft()
-            else:
-                i, _ = self._cached_free.popitem(last=False)
-                del self._block_of[self._hash_of.pop(i)]
-            self._refs[i] = 1
-            ids.append(i)
-        return ids
+    # -- a sequence's blocks ---------------------------------------------------------------
 
-    def lookup(self, hashes: list[bytes]) -> list[int]:
-        """The cached blocks of the longest prefix of `hashes`, one new reference each."""
-        ids: list[int] = []
-        for h in hashes if self.enable_caching else ():
-            i = self._block_of.get(h)
-            if i is None:
-                break
-            if self._refs[i] == 0:
-                del self._cached_free[i]
-            self._refs[i] += 1
-            ids.append(i)
-        return ids
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq.block_table` with new blocks until it holds `num_tokens` tokens. False,
+        changing nothing, if the pool is short."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > self.num_free:
+            return False
+        seq.block_table.extend(self._allocate(need))
+        return True
+
+    def reuse_cached_prefix(self, seq: Sequence, hashes: list[bytes]) -> int:
+        """Give `seq`, whose table is empty, the cached blocks of the longest prefix of
+        `hashes`, a new reference each; returns how many."""
+        if seq.block_table:
+            raise ValueError(f"{seq.request_id} already has blocks; only an empty table reuses")
+        seq.block_table = self._lookup(hashes)
+        return len(seq.block_table)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s reference to each block of its table and empty the table."""
+        self._free_ids(seq.block_table)
+        seq.block_table = []
+
+    # -- the prefix cache ------------------------------------------------------------------
 
     def cached_prefix(self, hashes: list[bytes]) -> int:
         """How many blocks of the longest prefix of `hashes` the cache holds now; takes no
@@ -97,13 +100,33 @@ class BlockManager:
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
 
-    def share(self, block_ids: list[int]) -> None:
-        for i in block_ids:
-            if self._refs[i] <= 0:
-                raise ValueError(f"block {i} is free and cannot be shared")
-            self._refs[i] += 1
+    # -- block ids -------------------------------------------------------------------------
 
-    def free(self, block_ids: list[int]) -> None:
+    def _allocate(self, n: int) -> list[int]:
+        ids = []
+        for _ in range(n):
+            if self._free:
+                i = self._free.popleft()
+            else:
+                i, _ = self._cached_free.popitem(last=False)
+                del self._block_of[self._hash_of.pop(i)]
+            self._refs[i] = 1
+            ids.append(i)
+        return ids
+
+    def _lookup(self, hashes: list[bytes]) -> list[int]:
+        ids: list[int] = []
+        for h in hashes if self.enable_caching else ():
+            i = self._block_of.get(h)
+            if i is None:
+                break
+            if self._refs[i] == 0:
+                del self._cached_free[i]
+            self._refs[i] += 1
+            ids.append(i)
+        return ids
+
+    def _free_ids(self, block_ids: list[int]) -> None:
         # Last block first: a sequence's tail is then evicted before the prefix it extends.
         for i in reversed(block_ids):
             if self._refs[i] <= 0:
@@ -114,6 +137,3 @@ class BlockManager:
                     self._cached_free[i] = None
                 else:
                     self._free.append(i)
-
-    def ref_count(self, block_id: int) -> int:
-        return self._refs[block_id]

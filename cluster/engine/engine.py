@@ -32,11 +32,11 @@ from cluster.request import FinishReason, Request, RequestOutput, StepOutput, To
 class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int
-    kv_blocks_held: int  # blocks pinned for export (prefill role)
+    kv_blocks_leased: int  # blocks of prefilled prompts held for export (the prefill leases)
     kv_blocks_cached: int  # blocks registered in the prefix cache, in use or reclaimable
     running: int
     waiting: int
-    held: int
+    held: int  # prefilled sequences whose KV is held for export (status HELD)
     queued_prompt_tokens: int  # prompt tokens still to prefill (cached prefixes not counted)
     generated_tokens: int  # tokens sampled by this engine since it was made
 
@@ -94,9 +94,8 @@ class Engine:
         shape = (self.layout.num_layers, n, *self.layout.block_shape)
         if tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
             raise FailedPrecondition(f"KV tensor shape {tuple(kv.k.shape)} is not {shape}")
-        if not self.blocks.can_allocate(n):
+        if not self.blocks.reserve(seq, kv.num_tokens):
             raise ResourceExhausted(f"no room to import {n} KV blocks")
-        seq.block_table = self.blocks.allocate(n)
         self.kv_cache.write(seq.block_table, kv.k, kv.v)
         seq.num_computed_tokens = kv.num_tokens
         self.scheduler.register_blocks(seq, 0)
@@ -189,8 +188,7 @@ class Engine:
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
-        seq.block_table = []
+        self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
         self.seqs.pop(seq.request_id, None)
 
@@ -237,7 +235,7 @@ class Engine:
         return EngineStats(
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_used=self.blocks.num_used,
-            kv_blocks_held=sum(len(s.block_table) for s in held),
+            kv_blocks_leased=sum(len(s.block_table) for s in held),
             kv_blocks_cached=self.blocks.num_cached,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),

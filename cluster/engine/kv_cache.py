@@ -62,10 +62,6 @@ class KVCache:
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(self.k[i], self.v[i]) for i in range(self.layout.num_layers)]
 
-    @property
-    def bytes_per_block(self) -> int:
-        return 2 * self.k[0, 0].numel() * self.k.element_size() * self.layout.num_layers
-
     def read(
         self, block_ids: list[int], layers: slice = slice(None)
     ) -> tuple[torch.Tensor, torch.Tensor]:

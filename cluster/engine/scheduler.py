@@ -8,9 +8,11 @@ sequence is preempted: its blocks are freed and it goes back to the head of the 
 recomputed from its tokens later.
 
 Prefix caching: a sequence admitted from the queue first takes the cached blocks of its longest
-cached prefix (`BlockManager.lookup`) and computes only the rest; at least its last token is
-always computed, since that yields the logits to sample from. Every block that a step (or an
-import) fills is registered in the cache.
+cached prefix (`BlockManager.reuse_cached_prefix`) and computes only the rest; at least its last
+token is always computed, since that yields the logits to sample from. Every block that a step
+(or an import) fills is registered in the cache.
+
+Blocks come from and go back to the `BlockManager`; the scheduler only asks it.
 """
 
 from __future__ import annotations
@@ -151,24 +153,16 @@ class Scheduler:
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         if seq.block_table or not self.blocks.enable_caching:
             return
-        hit = self.blocks.lookup(self._reusable_hashes(seq))
-        seq.block_table = hit
-        seq.num_computed_tokens = len(hit) * self.blocks.block_size
+        hit = self.blocks.reuse_cached_prefix(seq, self._reusable_hashes(seq))
+        seq.num_computed_tokens = hit * self.blocks.block_size
 
     def _drop_blocks(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
-        seq.block_table = []
+        self.blocks.free(seq)
         seq.num_computed_tokens = 0
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Grow the block table to hold `n` more tokens; False if the pool is short."""
-        need = self.blocks.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
-        if need <= 0:
-            return True
-        if not self.blocks.can_allocate(need):
-            return False
-        seq.block_table.extend(self.blocks.allocate(need))
-        return True
+        return self.blocks.reserve(seq, seq.num_computed_tokens + n)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

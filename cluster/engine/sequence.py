@@ -33,7 +33,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # written only by the BlockManager
         self._block_hashes: list[bytes] = []  # of full blocks of token_ids, memoised
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -47,10 +47,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -1,18 +1,19 @@
-"""`DirectKVClient`: the decode worker's end of the `gloo` and `nccl` KV transports.
+"""`CollectiveKVClient`: the decode worker's end of the `gloo` and `nccl` KV transports
+(contract: `KVClient`).
 
-`fetch` has `GrpcKVClient.fetch`'s contract (same errors, the lease stays held; call `release`,
-inherited unchanged, once `fetch` returned: the data is then in this side's tensors), but the KV
-moves over a `KVChannel`: a two-rank process group with the prefill worker named in the handle
-(this side rank 1), opened on first use with `OpenChannel`, cached per endpoint and closed after
-`idle_seconds` unused (the prefill side is told with `CloseChannel`). Per transfer: `PushKV` on
-the gRPC channel announces the tensors; the announced dtype and shape are checked against our
-own layout and the handle before anything is allocated; then the keys and values are received
-straight into tensors on `device` (the decode GPU under nccl: no host copy). One transfer per
-pair at a time. A channel the server no longer holds is reopened once; a broken one (peer gone,
-timeout, a cancelled transfer) is dropped and the fetch fails with Unavailable. Handles whose
-transport is "grpc" are fetched over gRPC.
+The KV moves over a `KVChannel`: a two-rank process group with the prefill worker named in the
+handle (this side rank 1), opened on first use with `OpenChannel`, cached per endpoint and
+closed after `idle_seconds` unused (the prefill side is told with `CloseChannel`). Per transfer:
+`PushKV` announces the tensors; the announced dtype and shape are checked against our own
+layout and the handle before anything is allocated; then the keys and values are received
+straight into new tensors on `device` (the decode GPU under nccl: no host copy). One transfer
+per pair at a time. A channel the server no longer holds is reopened once; a broken one (peer
+gone, timeout, a cancelled transfer) is dropped and the fetch fails with Unavailable.
 
-`make_kv_client` picks the client for a `TransferConfig`, once, when a decode worker starts.
+The control calls (OpenChannel, PushKV, CloseChannel, ReleaseKV) go over gRPC: this client
+holds a `GrpcKVClient`, which also fetches the handles whose transport is "grpc" and releases
+every lease, and uses its channels (`KVServerStubs`), so one gRPC channel per prefill endpoint
+carries everything.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from cluster.config import TransferConfig
 from cluster.engine.kv_cache import KVExport, KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument, Unavailable
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient, _error
+from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
 from cluster.kv_transfer.kv_channel import (
     DECODE_RANK,
     KVChannel,
@@ -37,7 +37,9 @@ from cluster.kv_transfer.kv_channel import (
     transport_device,
 )
 from cluster.kv_transfer.kv_channel_cache import KVChannelCache
+from cluster.kv_transfer.kv_client import KVClient
 from cluster.kv_transfer.kv_handle import KVHandle, layout_to_proto, split_endpoint
+from cluster.kv_transfer.kv_server_stubs import rpc_error
 from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
@@ -52,23 +54,7 @@ _REFUSALS = (
 )
 
 
-def make_kv_client(transfer: TransferConfig, device: torch.device, max_blocks: int) -> GrpcKVClient:
-    """The KV client for `transfer.transport`; `device` is the decode engine's."""
-    args = (transfer.max_chunk_bytes, transfer.fetch_timeout_seconds)
-    if transfer.transport == "grpc":
-        return GrpcKVClient(
-            *args, max_blocks=max_blocks, idle_seconds=transfer.channel_idle_seconds
-        )
-    return DirectKVClient(
-        transfer.transport,
-        device,
-        *args,
-        max_blocks=max_blocks,
-        idle_seconds=transfer.channel_idle_seconds,
-    )
-
-
-class DirectKVClient(GrpcKVClient):
+class CollectiveKVClient(KVClient):
     def __init__(
         self,
         transport: str,
@@ -80,9 +66,12 @@ class DirectKVClient(GrpcKVClient):
         idle_seconds: float = 60.0,
     ) -> None:
         """InvalidArgument if this process cannot run `transport` (nccl without CUDA)."""
-        super().__init__(
+        self.grpc = GrpcKVClient(
             max_chunk_bytes, timeout_s, max_blocks=max_blocks, idle_seconds=idle_seconds
         )
+        self.stubs = self.grpc.stubs  # the control calls share its channel to each endpoint
+        self.timeout_s = timeout_s
+        self.max_blocks = max_blocks
         self.transport = transport
         self.device = transport_device(transport, device)
         self.channels: KVChannelCache[str] = KVChannelCache(idle_seconds, self._close_remote)
@@ -91,7 +80,7 @@ class DirectKVClient(GrpcKVClient):
     async def fetch(self, handle: KVHandle, receiver_layout: KVLayout) -> KVExport:
         """The KV of `handle`, checked against `receiver_layout`. The lease stays held."""
         if handle.transport == "grpc":
-            return await super().fetch(handle, receiver_layout)
+            return await self.grpc.fetch(handle, receiver_layout)
         if handle.transport != self.transport:
             raise FailedPrecondition(
                 f"KV handle of request {handle.request_id!r} uses transport "
@@ -126,9 +115,13 @@ class DirectKVClient(GrpcKVClient):
                 channel.busy -= 1
         raise AssertionError("unreachable")
 
+    async def release(self, handle: KVHandle, reason: str) -> bool:
+        """ReleaseKV, as for any transport (`GrpcKVClient.release`)."""
+        return await self.grpc.release(handle, reason)
+
     async def close(self) -> None:
         await self.channels.stop()
-        await super().close()
+        await self.grpc.close()
 
     # -- one transfer ------------------------------------------------------------------------
 
@@ -145,13 +138,14 @@ class DirectKVClient(GrpcKVClient):
         if channel.closed:
             raise _Reopen
         try:
-            response = await self._stub(handle.endpoint).PushKV(request, timeout=self.timeout_s)
+            stub = self.stubs.stub(handle.endpoint)
+            response = await stub.PushKV(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in _REFUSALS:
                 self.channels.drop(handle.endpoint, channel)
             if exc.code() == grpc.StatusCode.ABORTED:
                 raise _Reopen from None
-            raise _error(exc, handle) from None
+            raise rpc_error(exc, handle) from None
         except BaseException:
             self.channels.drop(handle.endpoint, channel)
             raise
@@ -176,9 +170,10 @@ class DirectKVClient(GrpcKVClient):
                 return channel
             request = pb.OpenChannelRequest(transport=self.transport, handle=handle.to_proto())
             try:
-                opened = await self._stub(endpoint).OpenChannel(request, timeout=self.timeout_s)
+                stub = self.stubs.stub(endpoint)
+                opened = await stub.OpenChannel(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
-                raise _error(exc, handle) from None
+                raise rpc_error(exc, handle) from None
             host, _ = split_endpoint(endpoint)
             if not 0 < opened.store_port < 65536 or not opened.channel_id:
                 raise Unavailable(f"KV server {endpoint} opened a malformed channel")
@@ -204,7 +199,7 @@ class DirectKVClient(GrpcKVClient):
         """After an idle eviction: best effort, the server's own idle timer is the backstop."""
         request = pb.CloseChannelRequest(channel_id=channel.id)
         try:
-            await self._stub(endpoint).CloseChannel(request, timeout=self.timeout_s)
+            await self.stubs.stub(endpoint).CloseChannel(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.info("CloseChannel %s on %s: %s", channel.id, endpoint, exc.code().name)
 

@@ -34,6 +34,9 @@ HEADER_KEYS = frozenset(
 )
 _INT_KEYS = HEADER_KEYS - {"dtype", "shape"}
 MAX_HEADER_BYTES = 512  # a real header is ~120 bytes
+# gRPC message limits of both ends, beside max_chunk_bytes:
+HEADER_SLACK = 4096  # room for the chunk header and protobuf framing above max_chunk_bytes
+MAX_REQUEST_BYTES = 4 << 20  # a FetchKV or PushKV request carries a handle: ~5 bytes per block id
 
 
 class ChunkRange(NamedTuple):

@@ -7,42 +7,14 @@ and the RoPE variant. Module attribute names follow HF so checkpoints load with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cluster.model.attention import AttentionMetadata, paged_attention
+from cluster.model.info import ArchSpec
 from cluster.model.linear import Linear
 from cluster.model.rope import RopeAngles, RotaryEmbedding
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope: dict
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    sliding_window: int | None
 
 
 class RMSNorm(nn.Module):

@@ -94,8 +94,8 @@ def test_bf16_export_import_continues_exactly(device, model_dir, make_engine):
     uninterrupted run on a third engine, bit for bit, and the KV moved is bf16."""
     path = model_dir("llama-gqa")
     kw = dict(device=device, dtype="bfloat16", block_size=4)
-    a = make_engine(path, role="prefill", **kw)
-    b = make_engine(path, role="decode", num_blocks=64, **kw)
+    a = make_engine(path, **kw)
+    b = make_engine(path, num_blocks=64, **kw)
     whole = make_engine(path, **kw)
     ids, params = prompt(23, seed=23), greedy(NEW_TOKENS)
 

@@ -19,8 +19,8 @@ NEW_TOKENS = 12
 @pytest.mark.parametrize("length", [5, 17, 40])  # one block, inside a block, past the window
 def test_export_import_matches_colocated_and_oracle(arch, length, model_dir, make_engine, hf):
     path = model_dir(arch)
-    a = make_engine(path, role="prefill", block_size=4, max_num_batched_tokens=16)
-    b = make_engine(path, role="decode", block_size=4, num_blocks=64)
+    a = make_engine(path, block_size=4, max_num_batched_tokens=16)
+    b = make_engine(path, block_size=4, num_blocks=64)
     colocated = make_engine(path, block_size=4)
     ids, params = prompt(length, seed=length), greedy(NEW_TOKENS)
 
@@ -30,7 +30,7 @@ def test_export_import_matches_colocated_and_oracle(arch, length, model_dir, mak
 
     first = prefill(a, Request("r", ids, params, prefill_only=True))
     stats = a.stats()
-    assert (stats.held, stats.kv_blocks_held) == (1, -(-length // 4))
+    assert (stats.held, stats.kv_blocks_leased) == (1, -(-length // 4))
     assert stats.generated_tokens == 1  # chunked or not, the prompt samples one token
     kv = a.export_kv("r")
     assert kv.num_tokens == length
@@ -80,7 +80,7 @@ def test_export_of_running_request_is_not_found(model_dir, make_engine):
 def exported(model_dir, make_engine):
     """A held prefill on engine A: (A, request, first token, KVExport). Released after."""
     path = model_dir("llama-gqa")
-    a = make_engine(path, role="prefill", block_size=4)
+    a = make_engine(path, block_size=4)
     request = Request("r", prompt(10, seed=1), greedy(6))
     first = prefill(a, dataclasses.replace(request, prefill_only=True))
     yield a, request, first, a.export_kv("r")
@@ -98,7 +98,7 @@ def _assert_still_serves(engine, exported) -> None:
 
 def test_import_with_other_block_size_fails_precondition(model_dir, make_engine, exported):
     _, request, first, kv = exported
-    b = make_engine(model_dir("llama-gqa"), role="decode", block_size=8)
+    b = make_engine(model_dir("llama-gqa"), block_size=8)
     with pytest.raises(FailedPrecondition, match="block_size"):
         b.import_kv(request, kv, first)
     assert b.stats().kv_blocks_used == 0 and "r" not in b.seqs
@@ -106,7 +106,7 @@ def test_import_with_other_block_size_fails_precondition(model_dir, make_engine,
 
 def test_import_from_other_model_fails_precondition(model_dir, make_engine, exported):
     _, request, first, kv = exported
-    b = make_engine(model_dir("qwen3"), role="decode", block_size=4)
+    b = make_engine(model_dir("qwen3"), block_size=4)
     with pytest.raises(FailedPrecondition, match="model_id"):
         b.import_kv(request, kv, first)
     assert b.stats().kv_blocks_used == 0
@@ -124,7 +124,7 @@ def test_import_with_wrong_tensor_shape_fails_precondition(
     corrupt, model_dir, make_engine, exported
 ):
     _, request, first, kv = exported
-    b = make_engine(model_dir("llama-gqa"), role="decode", block_size=4)
+    b = make_engine(model_dir("llama-gqa"), block_size=4)
     k, v = corrupt(kv)
     with pytest.raises(FailedPrecondition):
         b.import_kv(request, dataclasses.replace(kv, k=k, v=v), first)
@@ -135,7 +135,7 @@ def test_import_with_wrong_tensor_shape_fails_precondition(
 
 def test_import_with_wrong_token_count_fails_precondition(model_dir, make_engine, exported):
     _, request, first, kv = exported
-    b = make_engine(model_dir("llama-gqa"), role="decode", block_size=4)
+    b = make_engine(model_dir("llama-gqa"), block_size=4)
     shorter = dataclasses.replace(request, prompt_token_ids=request.prompt_token_ids[:-1])
     with pytest.raises(FailedPrecondition):
         b.import_kv(shorter, kv, first)
@@ -147,7 +147,7 @@ def test_import_that_finishes_at_once_reports_it(model_dir, make_engine, exporte
     """With max_tokens == 1 the prefill side's token is the whole output: the import finishes
     the request at once, reports "length" on the next step and frees the blocks."""
     _, request, first, kv = exported
-    b = make_engine(model_dir("llama-gqa"), role="decode", block_size=4)
+    b = make_engine(model_dir("llama-gqa"), block_size=4)
     one = dataclasses.replace(request, params=SamplingParams(max_tokens=1, temperature=0.0))
     b.import_kv(one, kv, first)
     assert b.stats().kv_blocks_used == 0
@@ -159,8 +159,8 @@ def test_import_that_finishes_at_once_reports_it(model_dir, make_engine, exporte
 def test_many_exports_in_flight(model_dir, make_engine, hf):
     """Several held prefills, exported and decoded in another order than they were made."""
     path = model_dir("mistral")
-    a = make_engine(path, role="prefill", block_size=4, max_num_batched_tokens=16)
-    b = make_engine(path, role="decode", block_size=4)
+    a = make_engine(path, block_size=4, max_num_batched_tokens=16)
+    b = make_engine(path, block_size=4)
     requests = [Request(f"r{n}", prompt(n, seed=n), greedy(NEW_TOKENS)) for n in (5, 17, 40)]
     firsts = {}
     for r in requests:

@@ -70,8 +70,8 @@ def test_sampled_tokens_report_the_models_own_logprob(model_dir, make_engine):
 
 def test_logprobs_survive_the_prefill_to_decode_hop(model_dir, make_engine):
     path = model_dir(ARCH)
-    pre = make_engine(path, block_size=4, role="prefill")
-    dec = make_engine(path, block_size=4, role="decode")
+    pre = make_engine(path, block_size=4)
+    dec = make_engine(path, block_size=4)
     plain = make_engine(path, block_size=4)
     ids = prompt(11, seed=41)
     params = greedy(N, logprobs=3)

@@ -116,7 +116,7 @@ def test_preemption_with_caching_keeps_outputs_right(model_dir, make_engine, hf)
 def test_held_prompt_blocks_are_shared_with_a_later_prompt(model_dir, make_engine):
     """Prefill role: a prompt whose KV is held for export lends its blocks to the next prompt
     with the same prefix; both exports are whole, and releasing both frees everything."""
-    engine = make_engine(model_dir(ARCH), block_size=BS, num_blocks=64, role="prefill")
+    engine = make_engine(model_dir(ARCH), block_size=BS, num_blocks=64)
     shared = prompt(12, seed=7)
     prefill(engine, Request("a", shared + prompt(2, seed=8), greedy(4), prefill_only=True))
     prefill(engine, Request("b", shared + prompt(3, seed=9), greedy(4), prefill_only=True))
@@ -130,8 +130,8 @@ def test_held_prompt_blocks_are_shared_with_a_later_prompt(model_dir, make_engin
 
 def test_disaggregated_output_is_the_same_with_a_cached_prefix(model_dir, make_engine):
     path = model_dir(ARCH)
-    pre = make_engine(path, block_size=BS, num_blocks=64, role="prefill")
-    dec = make_engine(path, block_size=BS, num_blocks=64, role="decode")
+    pre = make_engine(path, block_size=BS, num_blocks=64)
+    dec = make_engine(path, block_size=BS, num_blocks=64)
     plain = make_engine(path, block_size=BS, num_blocks=64, enable_prefix_caching=False)
     plans = record_plans(pre)
     shared = prompt(13, seed=11)

@@ -81,8 +81,8 @@ def test_unseeded_requests_draw_independently(make_engine, path):
 
 
 def test_seeded_sampling_through_export_import_equals_colocated(make_engine, path):
-    a = make_engine(path, role="prefill", block_size=4)
-    b = make_engine(path, role="decode", block_size=4)
+    a = make_engine(path, block_size=4)
+    b = make_engine(path, block_size=4)
     b.add_request(Request("other", prompt(7, seed=8), OTHERS[1]))  # B is busy already
     b.step()
     assert disaggregated(a, b, "s", PROMPT, SEEDED) == _alone(make_engine, path)

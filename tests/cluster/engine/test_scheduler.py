@@ -123,7 +123,7 @@ def test_preempted_sequence_is_recomputed_from_scratch():
     _advance(sched.schedule())  # c preempted; a and b decode their second token
     for s in (a, b):  # they finish; the engine frees their blocks
         sched.remove(s)
-        sched.blocks.free(s.block_table)
+        sched.blocks.free(s)
     plan = sched.schedule()
     assert _plan(plan) == [("c", 0, 9)]  # prompt plus its first output, in one pass
     assert plan.scheduled[0].samples

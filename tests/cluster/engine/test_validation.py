@@ -8,7 +8,7 @@ import math
 import pytest
 
 from cluster.errors import InvalidArgument
-from cluster.model.decoder import SUPPORTED_ARCHITECTURES
+from cluster.model.info import SUPPORTED_ARCHITECTURES
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from tests.conftest import (
@@ -143,8 +143,6 @@ def test_bad_engine_config_is_refused(path):
         engine_config(path, block_size=3)
     with pytest.raises(InvalidArgument, match="dtype"):
         engine_config(path, dtype="float8")
-    with pytest.raises(InvalidArgument, match="role"):
-        engine_config(path, role="both")
 
 
 # -- stopping -----------------------------------------------------------------------------

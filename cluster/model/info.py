@@ -1,0 +1,173 @@
+"""What a checkpoint is, without its weights: `describe_model` reads a Hugging Face checkpoint
+directory's config (`ArchSpec`), tokenizer, EOS ids and identity into a `ModelInfo`, enough for
+a router to validate requests. Imports no model code (no decoder, layers or kernels), so the
+router can use it; `loader` builds the decoder from the same description.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from cluster.config import ModelConfig
+from cluster.errors import InvalidArgument
+from cluster.sampling_params import SamplingParams
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The shape of a Llama-family decoder and its per-architecture switches (see `decoder`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: dict
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+
+
+def arch_spec(hf_config) -> ArchSpec:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = archs[0] if archs else ""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise InvalidArgument(
+            f"unsupported architecture {arch or '(none)'!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope = getattr(c, "rope_parameters", None) or dict(getattr(c, "rope_scaling", None) or {})
+    rope = {"rope_theta": getattr(c, "rope_theta", 10000.0), **rope}
+    bias = bool(getattr(c, "attention_bias", False))
+    window = getattr(c, "sliding_window", None)
+    if arch.startswith("Qwen") and not getattr(c, "use_sliding_window", False):
+        window = None
+    return ArchSpec(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        rope=rope,
+        qkv_bias=True if arch == "Qwen2ForCausalLM" else bias,
+        o_bias=False if arch == "Qwen2ForCausalLM" else bias,
+        mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        sliding_window=window,
+    )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a checkpoint is, without its weights: enough for a router to validate requests."""
+
+    spec: ArchSpec
+    tokenizer: PreTrainedTokenizerBase | None
+    model_id: str  # checkpoint name plus a digest of its config and weight headers
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+    def check_request(self, ids: tuple[int, ...] | list[int], params: SamplingParams) -> None:
+        """Refuse, naming the field, a prompt or parameters this model cannot serve. The router
+        runs this before any worker is touched; the engine runs it again on admission."""
+        if not ids:
+            raise InvalidArgument("prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidArgument(
+                f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
+                "including at least one generated token",
+                param="prompt",
+            )
+        vocab = self.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(
+                f"prompt_token_ids out of vocabulary [0, {vocab}): {bad[:5]}",
+                param="prompt_token_ids",
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop strings need a tokenizer; this model has none", "stop")
+
+
+def describe_model(config: ModelConfig) -> ModelInfo:
+    path = Path(config.path)
+    if not (path / "config.json").is_file():
+        raise InvalidArgument(f"{path} is not a Hugging Face checkpoint (no config.json)")
+    hf_config = AutoConfig.from_pretrained(path)
+    spec = arch_spec(hf_config)
+    limit = config.max_model_len or spec.max_position_embeddings
+    return ModelInfo(
+        spec=spec,
+        tokenizer=_load_tokenizer(path),
+        model_id=f"{path.name}@{_digest(path, weight_files(path))}",
+        eos_token_ids=_eos_ids(hf_config, path),
+        max_model_len=min(limit, spec.max_position_embeddings),
+    )
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards of its index, or its one file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise InvalidArgument(f"{path} has no model.safetensors or model.safetensors.index.json")
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_ids(hf_config, path: Path) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for src in sources:
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list):
+            ids.update(int(i) for i in src)
+    return frozenset(ids)
+
+
+def _digest(path: Path, files: list[Path]) -> str:
+    """A cheap identity: config.json plus every weight file's safetensors header."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in files:
+        with f.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(n))
+    return h.hexdigest()[:12]

@@ -1,0 +1,167 @@
+"""`CollectiveKVSender`: the prefill side of the `gloo` and `nccl` KV transports, behind
+`KVServer`'s OpenChannel, PushKV and CloseChannel.
+
+`open` makes a `KVChannel` for a decode worker (this side is rank 0) and joins it in the
+background through the one rendezvous TCPStore this sender hosts; `push` reads a pinned lease's
+blocks (beside the engine thread, `AsyncEngine.read_held_kv`) and queues their send on the
+channel. Channels are cached by id and closed after `idle_s` without a transfer, or as soon as
+one breaks (the transfer's receiver then fails with UNAVAILABLE and opens a new channel). A
+sender for the `grpc` transport serves no channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import secrets
+
+import torch
+import torch.distributed as dist
+
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.kv_cache import KVLayout
+from cluster.errors import FailedPrecondition, PdServeError, ResourceExhausted, Unavailable
+from cluster.kv_transfer.kv_channel import PREFILL_RANK, KVChannel, transport_device
+from cluster.kv_transfer.kv_channel_cache import KVChannelCache
+from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
+from prefill_worker.lease_keeper import LeaseKeeper
+
+log = logging.getLogger(__name__)
+
+
+class ChannelGone(PdServeError):
+    """PushKV on a channel this server does not hold (closed, evicted or broken). Only on the
+    wire: the client opens a new channel and retries."""
+
+    grpc_code = "ABORTED"
+
+
+class CollectiveKVSender:
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        lease_keeper: LeaseKeeper,
+        layout: KVLayout,
+        host: str,
+        transport: str,
+        *,
+        timeout_s: float,
+        idle_s: float,
+        max_channels: int,
+    ) -> None:
+        """Each channel joins and sends within `timeout_s`; at most `max_channels` are open at
+        once. InvalidArgument if this process cannot run `transport`."""
+        self.engine = async_engine
+        self.leases = lease_keeper
+        self.layout = layout
+        self.host = host
+        self.transport = transport
+        self.device = (
+            None if transport == "grpc" else transport_device(transport, async_engine.device)
+        )
+        self.timeout_s = timeout_s
+        self.max_channels = max_channels
+        self.channels: KVChannelCache[str] = KVChannelCache(idle_s)
+        self._store: dist.TCPStore | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        if self.device is not None:
+            self.channels.start()
+
+    async def stop(self) -> None:
+        await self.channels.stop()
+        for task in list(self._tasks):  # sends stuck on a closed channel: unpin their leases
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._store = None
+
+    def open(self, transport: str) -> tuple[str, int]:
+        """A new channel for `transport`, joined in the background: (its id, the rendezvous
+        store's port)."""
+        if self.device is None or transport != self.transport:
+            raise FailedPrecondition(f"this KV server serves {self.transport!r}, not {transport!r}")
+        if len(self.channels) >= self.max_channels:
+            raise ResourceExhausted(f"this KV server holds {self.max_channels} channels")
+        channel = KVChannel(
+            secrets.token_hex(16), self.transport, PREFILL_RANK, self.device, self.timeout_s
+        )
+        store = self._rendezvous_store()
+        channel.busy += 1  # until joined: never evicted half-made
+        channel.joined = self._spawn(self._join(channel, store))
+        self.channels.add(channel.id, channel)
+        return channel.id, store.port
+
+    async def push(
+        self, channel_id: str, request_id: str, block_ids: list[int]
+    ) -> pb.PushKVResponse:
+        """Read the lease's blocks and queue their send on channel `channel_id`; the response
+        announces the tensors. The caller's pin of the lease (`leases.begin_fetch`) passes to
+        this: it ends when the send does, or at once if this raises (ChannelGone if the channel
+        is not open)."""
+        channel = self.channels.get(channel_id)
+        if channel is not None:
+            channel.busy += 1  # not evicted until the send ends
+        try:
+            if channel is None or not await channel.joined or channel.closed:
+                raise ChannelGone(f"no open KV channel {channel_id!r}; open a new one")
+            k, v = await asyncio.to_thread(self._read, request_id, block_ids, channel.device)
+        except BaseException:
+            if channel is not None:
+                channel.busy -= 1
+            self.leases.end_fetch(request_id)
+            raise
+        tag = channel.next_tag()
+        self._spawn(self._send(channel, request_id, k, v, tag))  # ends the fetch, unpins
+        return pb.PushKVResponse(dtype=self.layout.dtype, shape=k.shape, nbytes=k.nbytes, tag=tag)
+
+    def close(self, channel_id: str) -> bool:
+        """Close a channel the decode side is done with; False if there was none."""
+        return self.channels.drop(channel_id)
+
+    def _rendezvous_store(self) -> dist.TCPStore:
+        """The TCPStore every channel of this sender rendezvouses in (one port, created on the
+        first open; it listens on all interfaces)."""
+        if self._store is None:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            self._store = dist.TCPStore(self.host, 0, None, True, timeout, wait_for_workers=False)
+        return self._store
+
+    async def _join(self, channel: KVChannel, store: dist.TCPStore) -> bool:
+        try:
+            await channel.join(lambda: dist.PrefixStore(channel.id, store), self.host)
+            return True
+        except Unavailable as exc:
+            log.warning("KV channel %s was not joined: %s", channel.id, exc.message)
+            self.channels.drop(channel.id, channel)
+            return False
+        finally:
+            channel.busy -= 1
+
+    def _read(self, request_id: str, block_ids: list[int], device: torch.device):
+        """Worker thread: the lease's blocks as two contiguous tensors on `device` (the pool's
+        own device under nccl: no host copy), complete before any other stream reads them."""
+        k, v = self.engine.read_held_kv(request_id, block_ids, lambda pool: pool.read(block_ids))
+        k, v = k.to(device), v.to(device)
+        if k.is_cuda:
+            torch.cuda.current_stream(k.device).synchronize()
+        return k, v
+
+    async def _send(
+        self, channel: KVChannel, request_id: str, k: torch.Tensor, v: torch.Tensor, tag: int
+    ) -> None:
+        try:
+            await channel.send(k, v, tag)
+        except Unavailable as exc:
+            log.warning("KV send of %s failed: %s", request_id, exc.message)
+            self.channels.drop(channel.id, channel)
+        finally:
+            channel.busy -= 1
+            self.leases.end_fetch(request_id)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task

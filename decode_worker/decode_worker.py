@@ -4,10 +4,10 @@ joins the continuous batch and streams tokens.
 The pull is this side's job (the prefill side never learns where decoding happens), so Serve's
 own routing picks the replica in each pool. The lease is released as soon as the KV is copied
 into local memory: the ReleaseKV call runs while the KV is imported, so its round trip is not
-on the way to the second token. Tokens go to the router over the direct token stream
-(`decode_to`, the default) or back through the Serve handle (`decode`, the app's
-`token_stream: serve`). A replica being removed lets its streams finish within the graceful
-shutdown timeout and ends the rest with finish reason "abort".
+on the way to the second token. The engine thread sends the tokens to the router's token
+server itself (decode_worker/token_sender.py) while the Serve call stays open until the last
+one. A replica being removed lets its streams finish within the graceful shutdown timeout and
+ends the rest with finish reason "abort".
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVExport
 from cluster.errors import PdServeError
-from cluster.kv_transfer.collective_kv_client import make_kv_client
+from cluster.kv_transfer.kv_client import make_kv_client
 from cluster.request import Request, StepOutput
 from cluster.serving.app_config import AppConfig
+from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_messages import DecodeRequest, TokenRoute, WorkerChunk
 from cluster.serving.replica import EngineReplica
 from decode_worker.token_sender import TokenSender
@@ -32,50 +34,23 @@ class DecodeWorker(EngineReplica):
     async def __init__(self, config: AppConfig) -> None:
         self._start(config, "decode")
         self.kv_client = make_kv_client(
-            config.transfer, self.engine.engine.device, max_blocks=config.decode.cache.num_blocks
+            config.transfer, self.engine.device, max_blocks=config.decode.cache.num_blocks
         )
         self.tokens = TokenSender()
 
-    async def decode(self, req: DecodeRequest) -> AsyncIterator[WorkerChunk]:
-        """Fetch, import, then yield one chunk per engine step until the request finishes.
-        Errors before the first chunk (bad lease, layout mismatch, full pool) are raised."""
+    async def decode(self, req: DecodeRequest, route: TokenRoute) -> None:
+        """Hop 4: fetch the prompt's KV, import it into the batch and decode; the engine thread
+        sends every output to the router's token server (`route`). Returns once the last one
+        was sent, so the Serve call lasts as long as the stream. Errors before the first output
+        (bad lease, layout mismatch, full pool) are raised; cancelling the call aborts the
+        request and frees its blocks."""
         started = time.monotonic()
         async with self._fetched(req) as (request, kv):
-            stream = await self.engine.import_and_generate(request, kv, req.first_token)
-            transfer_seconds = self._transferred(started, time.monotonic(), kv)
-            first = True
-            async for out in stream:
-                if first:
-                    self._queued(time.monotonic() - started - transfer_seconds)
-                yield WorkerChunk(
-                    out, self.replica_id, kv_transfer_seconds=transfer_seconds if first else 0.0
-                )
-                first = False
-
-    async def decode_to(self, req: DecodeRequest, route: TokenRoute) -> None:
-        """Fetch and import as `decode` does, then send every output to the router's token
-        server (`route`) from the engine thread; return once the last one was sent. Errors
-        before the first output are raised, as from `decode`."""
-        started = time.monotonic()
-        async with self._fetched(req) as (request, kv):
-            marks: dict[str, float] = {}
-
-            def admit(engine) -> None:  # engine thread, like `make`
-                engine.import_kv(request, kv, req.first_token)
-                marks["imported"] = time.monotonic()
-                marks["transfer"] = self._transferred(started, marks["imported"], kv)
-
-            def make(out: StepOutput, first: bool) -> WorkerChunk:
-                if not first:
-                    return WorkerChunk(out, self.replica_id)
-                self._queued(time.monotonic() - marks["imported"])
-                return WorkerChunk(out, self.replica_id, marks["transfer"])
-
-            sink = await self.tokens.open(route, request.request_id, make)
-            try:
-                await self.engine.stream_to(request.request_id, admit, sink)
-            finally:
-                self.tokens.discard(sink)
+            stream = _DecodeStream(
+                request, kv, req.first_token, started, self.replica_id, self.metrics
+            )
+            async with self.tokens.sink(route, request.request_id, stream.chunk) as sink:
+                await self.engine.stream_to(request.request_id, stream.admit, sink)
 
     @asynccontextmanager
     async def _fetched(self, req: DecodeRequest) -> AsyncIterator[tuple[Request, KVExport]]:
@@ -92,16 +67,39 @@ class DecodeWorker(EngineReplica):
         finally:
             await released
 
-    def _transferred(self, started: float, imported: float, kv: KVExport) -> float:
-        seconds = imported - started
-        self.metrics.observe("pdserve_kv_transfer_time_seconds", seconds)
-        self.metrics.inc("pdserve_kv_transfer_bytes_total", kv.k.nbytes + kv.v.nbytes)
-        return seconds
-
-    def _queued(self, seconds: float) -> None:
-        self.metrics.observe("pdserve_queue_time_seconds", seconds)
-
     async def __del__(self) -> None:
         await self._shutdown()
         self.tokens.close()
         await self.kv_client.close()
+
+
+@dataclass
+class _DecodeStream:
+    """One request's way into the batch and out to the router. `admit` and `chunk` run on the
+    engine thread (`AsyncEngine.stream_to`, `StreamSink.put`): the first chunk carries the KV
+    transfer time (from the call to the end of the import) and the queue time (from there to
+    the first output) goes to the metrics."""
+
+    request: Request
+    kv: KVExport
+    first_token: int
+    started: float
+    replica_id: str
+    metrics: PoolMetrics
+    imported_at: float = 0.0
+
+    def admit(self, engine: Engine) -> None:
+        engine.import_kv(self.request, self.kv, self.first_token)
+        self.imported_at = time.monotonic()
+        self.metrics.observe("pdserve_kv_transfer_time_seconds", self.transfer_seconds)
+        self.metrics.inc("pdserve_kv_transfer_bytes_total", self.kv.k.nbytes + self.kv.v.nbytes)
+
+    @property
+    def transfer_seconds(self) -> float:
+        return self.imported_at - self.started
+
+    def chunk(self, out: StepOutput, first: bool) -> WorkerChunk:
+        if not first:
+            return WorkerChunk(out, self.replica_id)
+        self.metrics.observe("pdserve_queue_time_seconds", time.monotonic() - self.imported_at)
+        return WorkerChunk(out, self.replica_id, kv_transfer_seconds=self.transfer_seconds)

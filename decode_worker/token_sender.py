@@ -1,17 +1,19 @@
-"""A worker's side of the direct token stream: step outputs go from the engine thread straight
-to the router's `TokenStreamServer`, one frame per router connection per step.
+"""A worker's side of the token stream: step outputs go from the engine thread straight to the
+router's `TokenStreamServer`, one frame per router connection per step.
 
-Streaming each token back through the Serve handle costs the worker's process several event
-loop wake-ups per token, and every one of them takes the GIL from the engine thread in the
-middle of a step (benchmarks/serving_bench.py measures it). Here the engine thread
+Yielding each token back through the Serve handle instead cost the worker's process several
+event loop wake-ups per token, each taking the GIL from the engine thread in the middle of a
+step (1.5-2 ms per token on 2 cores, benchmarks/serving_bench.py). Here the engine thread
 encodes and sends the frame itself; the event loop only opens connections, flushes what the
 socket could not take at once, and learns when a stream ends.
 
 Ownership: a `TokenSender` owns one connection per router endpoint, shared by all streams to
-that router. A `StreamSink` belongs to one request; `put` and `flush` run on the engine
-thread, everything else on the event loop. A connection that breaks (the router went away,
-refused a frame, or stopped reading for `max_pending_bytes`) fails every sink on it, and the
-engine aborts their requests, so no KV blocks stay behind.
+that router. A `StreamSink` belongs to one request (`TokenSender.sink` opens it and forgets it
+again); it is the `StepSink` the engine hands the request's outputs to (`AsyncEngine.stream_to`):
+`put`, and `flush` on its connection, run on the engine thread, everything else on the event
+loop. A connection that breaks (the router went away, refused a frame, or stopped reading for
+`max_pending_bytes`) fails every sink on it, and the engine aborts their requests, so no KV
+blocks stay behind.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from cluster.errors import Unavailable
 from cluster.request import StepOutput
 from cluster.serving.pool_messages import TokenRoute, WorkerChunk
 from cluster.serving.token_wire import encode_frame
 
-ChunkMaker = Callable[[StepOutput, bool], WorkerChunk]  # (output, is first) -> chunk
+# Engine thread: wraps a request's output for the router; (output, is it the first) -> chunk.
+ChunkMaker = Callable[[StepOutput, bool], WorkerChunk]
 
 
 class StreamSink:
@@ -178,6 +181,17 @@ class TokenSender:
         self.max_pending_bytes = max_pending_bytes
         self._conns: dict[str, _Connection] = {}
         self._connecting: dict[str, asyncio.Future] = {}
+
+    @contextlib.asynccontextmanager
+    async def sink(
+        self, route: TokenRoute, request_id: str, make: ChunkMaker
+    ) -> AsyncIterator[StreamSink]:
+        """`open` a sink for the body's stream; `discard` it when the body ends."""
+        sink = await self.open(route, request_id, make)
+        try:
+            yield sink
+        finally:
+            self.discard(sink)
 
     async def open(self, route: TokenRoute, request_id: str, make: ChunkMaker) -> StreamSink:
         """A sink for `request_id` on the connection to `route.endpoint` (opened on first use).

@@ -1,14 +1,14 @@
-"""Conversions between the public gRPC contract (`pdserve.v1`) and the router's own types."""
+"""Conversions between the public gRPC contract (`pdserve.v1`) and the router's own types; a
+`GenerateRequest` becomes a `Request` through the `GenerationService` (hop 1)."""
 
 from __future__ import annotations
 
 from cluster.errors import InvalidArgument, NotFound
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
-from cluster.serving.pool_messages import ReplicaStats
 from router.generation_chunk import GenerationChunk
-from router.orchestrator import Orchestrator
-from router.pool_status import PoolStatus
+from router.generation_service import GenerationService, ServedModel
+from router.pool_status import ClusterStats
 
 _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -17,14 +17,14 @@ _FINISH = {
 }
 
 
-def request_from_proto(orch: Orchestrator, req: pb.GenerateRequest) -> Request:
+def request_from_proto(req: pb.GenerateRequest, service: GenerationService) -> Request:
     """Validate a GenerateRequest (unset fields take their documented defaults)."""
-    if req.model and req.model not in orch.model_names():
+    if req.model and req.model not in service.model.names:
         raise NotFound(f"model {req.model!r} is not served here", param="model")
     s = req.sampling
     if s.HasField("max_tokens") and s.max_tokens == 0:
         raise InvalidArgument("sampling.max_tokens must be > 0 when set", param="max_tokens")
-    params = orch.sampling_params(
+    params = service.sampling_params(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         temperature=s.temperature if s.HasField("temperature") else None,
         top_p=s.top_p if s.HasField("top_p") else None,
@@ -35,7 +35,7 @@ def request_from_proto(orch: Orchestrator, req: pb.GenerateRequest) -> Request:
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
-    return orch.build_request(
+    return service.build_request(
         req.prompt or None, list(req.prompt_token_ids) or None, params, req.request_id or None
     )
 
@@ -81,19 +81,18 @@ def chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateResponse:
     return msg
 
 
-def model_info_to_proto(orch: Orchestrator) -> pb.ModelInfo:
-    cfg = orch.config
+def model_info_to_proto(model: ServedModel) -> pb.ModelInfo:
     return pb.ModelInfo(
-        model_id=orch.info.model_id,
-        max_context_length=orch.info.max_model_len,
-        vocab_size=orch.info.spec.vocab_size,
-        dtype=cfg.model.dtype,
-        block_size=cfg.prefill.cache.block_size,
-        mode=cfg.mode,
+        model_id=model.model_id,
+        max_context_length=model.max_context_length,
+        vocab_size=model.vocab_size,
+        dtype=model.dtype,
+        block_size=model.block_size,
+        mode=model.mode,
     )
 
 
-def stats_to_proto(stats: list[ReplicaStats], pools: list[PoolStatus]) -> pb.ClusterStats:
+def stats_to_proto(stats: ClusterStats) -> pb.ClusterStats:
     return pb.ClusterStats(
         pools=[
             pb.PoolStatus(
@@ -107,7 +106,7 @@ def stats_to_proto(stats: list[ReplicaStats], pools: list[PoolStatus]) -> pb.Clu
                     pb.LoadSignal(name=n, value=v, target_per_replica=t) for n, v, t in p.signals
                 ],
             )
-            for p in pools
+            for p in stats.pools
         ],
         replicas=[
             pb.ReplicaStats(
@@ -122,6 +121,6 @@ def stats_to_proto(stats: list[ReplicaStats], pools: list[PoolStatus]) -> pb.Clu
                 kv_blocks_cached=s.kv_blocks_cached,
                 generated_tokens=s.generated_tokens,
             )
-            for s in stats
+            for s in stats.replicas
         ],
     )

@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP API: routes over an `Orchestrator`, and OpenAI-shaped errors.
+"""The OpenAI-compatible HTTP API: routes over a `GenerationService` (router/generation_service.py),
+and OpenAI-shaped errors.
 
-Independent of Ray: the Serve ingress mounts `openai_routes(get_orchestrator)` and calls
-`install_error_handlers(app)`; tests do the same with an orchestrator double.
+Independent of Ray: the Serve ingress mounts `openai_routes(get_service)` and calls
+`install_error_handlers(app)`; tests do the same with a service double.
 
 A request's path here: validate the body → resolve the model → `sampling_params` and
 `build_request` (hop 1) → `generate` and await its first chunk → answer. Awaiting the first chunk
@@ -13,7 +14,7 @@ Finish reasons: "stop" and "length" pass through. OpenAI has no "abort" (the ser
 the request, e.g. a replica shutting down): it is reported as a 503 `service_unavailable`
 error, retryable, rather than as a truncated answer that claims to be complete.
 
-Whoever opens the orchestrator's generator closes it, on every exit: finished, failed, or the
+Whoever opens the service's generator closes it, on every exit: finished, failed, or the
 client went away mid-stream. Closing it aborts the request and frees its KV.
 """
 
@@ -50,7 +51,7 @@ from router.openai_views import ChatView, CompletionView
 
 if TYPE_CHECKING:
     from cluster.request import Request as GenerationRequest
-    from router.orchestrator import Orchestrator
+    from router.generation_service import GenerationService
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +60,9 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
-def openai_routes(get_orchestrator: Callable[[], Orchestrator]) -> APIRouter:
+def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
     """`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`.
-    `get_orchestrator` is called per request and returns the live orchestrator."""
+    `get_service` is called per request and returns the live service."""
     router = APIRouter()
     started = int(time.time())
 
@@ -71,33 +72,33 @@ def openai_routes(get_orchestrator: Callable[[], Orchestrator]) -> APIRouter:
 
     @router.get("/v1/models", response_model=ModelList)
     async def models() -> Response:
-        orch = get_orchestrator()
-        card = ModelCard(
-            id=orch.model_names()[0], created=started, max_model_len=orch.info.max_model_len
-        )
+        model = get_service().model
+        card = ModelCard(id=model.name, created=started, max_model_len=model.max_context_length)
         return _json(ModelList(data=[card]))
 
     @router.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest) -> Response:
-        orch = get_orchestrator()
-        model = _served_model(orch, body.model)
-        params = orch.sampling_params(**body.sampling_fields(body.max_tokens))
+        service = get_service()
+        model = _served_model(service, body.model)
+        params = service.sampling_params(**body.sampling_fields(body.max_tokens))
         prompt, prompt_token_ids = body.prompt_input()
-        request = orch.build_request(prompt, prompt_token_ids, params)
+        request = service.build_request(prompt, prompt_token_ids, params)
         view = CompletionView(
-            f"cmpl-{request.request_id}", int(time.time()), model, orch.token_text
+            f"cmpl-{request.request_id}", int(time.time()), model, service.token_text
         )
-        return await _answer(orch, request, view, body.stream, body.include_usage)
+        return await _answer(service, request, view, body.stream, body.include_usage)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest) -> Response:
-        orch = get_orchestrator()
-        model = _served_model(orch, body.model)
-        params = orch.sampling_params(**body.sampling_fields(body.token_limit))
-        prompt_token_ids = orch.chat_prompt([m.for_template() for m in body.messages])
-        request = orch.build_request(None, prompt_token_ids, params)
-        view = ChatView(f"chatcmpl-{request.request_id}", int(time.time()), model, orch.token_text)
-        return await _answer(orch, request, view, body.stream, body.include_usage)
+        service = get_service()
+        model = _served_model(service, body.model)
+        params = service.sampling_params(**body.sampling_fields(body.token_limit))
+        prompt_token_ids = service.chat_prompt([m.for_template() for m in body.messages])
+        request = service.build_request(None, prompt_token_ids, params)
+        view = ChatView(
+            f"chatcmpl-{request.request_id}", int(time.time()), model, service.token_text
+        )
+        return await _answer(service, request, view, body.stream, body.include_usage)
 
     return router
 
@@ -114,9 +115,9 @@ def install_error_handlers(app: FastAPI) -> None:
 # -- one request -------------------------------------------------------------------------------
 
 
-def _served_model(orch: Orchestrator, requested: str | None) -> str:
+def _served_model(service: GenerationService, requested: str | None) -> str:
     """The served model's public name; `requested` may be empty, that name, or the model id."""
-    names = orch.model_names()
+    names = service.model.names
     if requested and requested not in names:
         raise ModelNotFound(
             f"model {requested!r} is not served here; this server serves {names[0]!r}",
@@ -126,13 +127,13 @@ def _served_model(orch: Orchestrator, requested: str | None) -> str:
 
 
 async def _answer(
-    orch: Orchestrator,
+    service: GenerationService,
     request: GenerationRequest,
     view: CompletionView | ChatView,
     stream: bool,
     include_usage: bool,
 ) -> Response:
-    chunks = orch.generate(request)
+    chunks = service.generate(request)
     try:
         first = await _next(chunks)
     except StopAsyncIteration:

@@ -69,7 +69,7 @@ class _SamplingBody(_Body):
         return None
 
     def sampling_fields(self, max_tokens: int | None) -> dict[str, Any]:
-        """Keyword arguments for `Orchestrator.sampling_params` (None = server default)."""
+        """Keyword arguments for `GenerationService.sampling_params` (None = server default)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return dict(
             max_tokens=max_tokens,
@@ -118,7 +118,7 @@ class CompletionRequest(_SamplingBody):
         return echo
 
     def prompt_input(self) -> tuple[str | None, list[int] | None]:
-        """(text, token ids) for `Orchestrator.build_request`; exactly one is set."""
+        """(text, token ids) for `GenerationService.build_request`; exactly one is set."""
         if isinstance(self.prompt, str):
             return self.prompt, None
         return None, list(self.prompt)  # type: ignore[arg-type]

@@ -1,14 +1,14 @@
-"""The two hops of a request, in order: validate, prefill, first token, decode, relay.
-
-Hop by hop:
+"""The request's path through the router, one method per hop:
   1. `build_request`: tokenize and validate; bad input is refused before any worker is touched.
   2. `_prefill`: the prefill pool computes the prompt and returns the first token and a KVHandle.
   3. the first token goes to the client at once (time to first token).
-  4. `_decode`: the decode pool pulls the KV named in the handle and streams the rest, over
-     the direct token stream to this router (`_direct`, router/token_stream.py) or, with
-     `token_stream: serve`, back through the Serve handle.
-  5. the last chunk carries finish reason, usage and the phase timings.
-In colocated mode one pool does 2-4 in one engine.
+  4. `_decode`: the decode pool pulls the KV named in the handle and decodes the rest.
+  5. `_relay`: the worker's engine thread sends the tokens to this router's token server
+     (router/token_stream.py) for as long as the Serve call to the worker lasts; `_Tally` adds
+     finish reason, usage and the phase timings to the last chunk.
+In colocated mode one pool does 2-4 in one engine (`_colocated`).
+
+`Orchestrator` is the `GenerationService` (router/generation_service.py) the API layers call.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,15 +31,16 @@ from ray.serve.exceptions import (
 
 from cluster.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
-from cluster.model.loader import ModelInfo
+from cluster.model.info import ModelInfo
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
-from cluster.serving.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
+from cluster.serving.pool_messages import DecodeRequest, PrefillResult, WorkerChunk
 from cluster.serving.stats_registry import registry
 from router.generation_chunk import GenerationChunk, Timing, Usage
-from router.pool_status import PoolStatus, pool_statuses
+from router.generation_service import ServedModel
+from router.pool_status import ClusterStats, pool_statuses
 from router.token_stream import TokenStreamServer
 
 
@@ -50,27 +52,35 @@ class Orchestrator:
         prefill,
         decode,
         colocated,
+        tokens: TokenStreamServer,
         metrics: PoolMetrics | None = None,
-        tokens: TokenStreamServer | None = None,
+        app_name: str = "",
     ) -> None:
-        """`tokens`: the started token stream server workers send outputs to; None streams
-        them back through the Serve handles instead."""
+        """`prefill`, `decode` (or `colocated` alone): the pools' Serve handles; `tokens`: the
+        started token stream server the workers send outputs to; `app_name`: the Serve
+        application, whose pools `stats` reports."""
         self.config = config
-        self.tokens = tokens
-        self.metrics = metrics
         self.info = info
         self.tokenizer = info.tokenizer
         self.prefill = prefill
         self.decode = decode
         self.colocated = colocated
+        self.tokens = tokens
+        self.metrics = metrics
+        self.app_name = app_name
+        self.model = ServedModel(
+            name=Path(config.model.path).name,
+            model_id=info.model_id,
+            max_context_length=info.max_model_len,
+            vocab_size=info.spec.vocab_size,
+            dtype=config.model.dtype,
+            block_size=config.prefill.cache.block_size,
+            mode=config.mode,
+        )
         self.kv_client = GrpcKVClient(
             config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds
         )
         self._registry = None  # the stats registry actor, looked up on first use
-
-    def model_names(self) -> tuple[str, str]:
-        """Names a request may use for the served model: the checkpoint's name or its id."""
-        return (Path(self.config.model.path).name, self.info.model_id)
 
     def token_text(self, token_id: int) -> str:
         """A token's own text, for logprobs (`token_id:N` for a checkpoint without tokenizer)."""
@@ -158,13 +168,8 @@ class Orchestrator:
         finally:
             await steps.aclose()
 
-    async def _colocated(self, request: Request) -> AsyncIterator[WorkerChunk]:
-        if self.tokens is not None:
-            stream = self._direct(request.request_id, self.colocated.generate_to, request)
-        else:
-            stream = self.colocated.options(stream=True).generate.remote(request)
-        async for chunk in stream:
-            yield chunk
+    def _colocated(self, request: Request) -> AsyncIterator[WorkerChunk]:
+        return self._relay(request.request_id, self.colocated.generate, request)
 
     async def _disaggregated(self, request: Request) -> AsyncIterator[WorkerChunk]:
         """Prefill, then decode. When the decode hop fails before its first token (the lease
@@ -188,9 +193,10 @@ class Orchestrator:
                 return
             decoded = False
             try:
-                async for chunk in self._decode(request, result):
-                    decoded = True
-                    yield chunk
+                async with aclosing(self._decode(request, result)) as chunks:
+                    async for chunk in chunks:
+                        decoded = True
+                        yield chunk
                 return
             except Unavailable:
                 if decoded or attempt == self.config.max_retries:
@@ -208,50 +214,46 @@ class Orchestrator:
 
     async def _decode(self, request: Request, result: PrefillResult) -> AsyncIterator[WorkerChunk]:
         decode_request = DecodeRequest(request, result.handle, result.first.token_ids[0])
-        if self.tokens is not None:
-            stream = self._direct(request.request_id, self.decode.decode_to, decode_request)
-        else:
-            stream = self.decode.options(stream=True).decode.remote(decode_request)
         done = False
         try:
-            while True:
-                try:
-                    chunk = await _transient_as_unavailable(anext(stream))
-                except StopAsyncIteration:
-                    break
-                done = chunk.output.finished
-                yield chunk
+            relay = self._relay(request.request_id, self.decode.decode, decode_request)
+            async with aclosing(relay) as chunks:
+                async for chunk in chunks:
+                    done = chunk.output.finished
+                    yield chunk
         finally:
             if not done:  # failed or abandoned: don't leave the lease to expire
                 await self.kv_client.release(result.handle, "aborted")
 
-    async def _direct(self, request_id: str, method, payload) -> AsyncIterator[WorkerChunk]:
-        """Call a worker's `*_to` method and yield the chunks it sends to this router's token
-        server, until the last one. Closing early cancels the call (the worker aborts); after
-        the last chunk the call is left to return by itself (the worker is finishing it)."""
-        sub = self.tokens.subscribe(request_id)
-        response = method.remote(payload, sub.route)
-        call = asyncio.ensure_future(_transient_as_unavailable(response))
-        sub.watch(call)
-        finished = False
-        try:
-            while not finished:
-                chunk = await sub.next()
-                finished = chunk.output.finished
-                yield chunk
-        finally:
-            sub.close()
-            # The stream has carried the call's outcome already; nobody awaits it any more.
-            call.add_done_callback(_outcome_seen)
-            if not finished and not call.done():
-                response.cancel()
-                call.cancel()
+    async def _relay(self, request_id: str, method, payload) -> AsyncIterator[WorkerChunk]:
+        """Call a worker's streaming method (`method.remote(payload, route)`, a Serve handle
+        call) and yield the chunks its engine thread sends to this router's token server, up to
+        the last one. The call lasts as long as the stream, so Serve's queue limits, autoscaling
+        and cancellation see the request. Closing early cancels the call (the worker aborts);
+        after the last chunk the call is left to return by itself (the worker is finishing)."""
+        with self.tokens.subscribe(request_id) as sub:
+            response = method.remote(payload, sub.route)
+            call = asyncio.ensure_future(_transient_as_unavailable(response))
+            sub.watch(call)
+            finished = False
+            try:
+                while not finished:
+                    chunk = await sub.next()
+                    finished = chunk.output.finished
+                    yield chunk
+            finally:
+                # The stream has carried the call's outcome already; nobody awaits it any more.
+                call.add_done_callback(_outcome_seen)
+                if not finished and not call.done():
+                    response.cancel()
+                    call.cancel()
 
-    async def cluster_stats(self, app_name: str) -> tuple[list[ReplicaStats], list[PoolStatus]]:
+    async def stats(self) -> ClusterStats:
         if self._registry is None:
             self._registry = registry(self.config.name)
         replicas = await self._registry.list.remote()
-        return replicas, await pool_statuses(self.config, app_name, replicas)
+        pools = await pool_statuses(self.config, self.app_name, replicas)
+        return ClusterStats(tuple(pools), tuple(replicas))
 
 
 def _outcome_seen(call: asyncio.Future) -> None:

@@ -1,4 +1,4 @@
-"""Each pool's size as Serve sees it, next to the load signal it scales on."""
+"""Each pool's size as Serve sees it, next to the load signal it scales on (`GetStats`)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ class PoolStatus:
     min_replicas: int
     max_replicas: int
     signals: tuple[tuple[str, float, float], ...]  # (name, pool total, target per replica)
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    """What `GetStats` reports: each pool's status and each engine replica's latest stats."""
+
+    pools: tuple[PoolStatus, ...]
+    replicas: tuple[ReplicaStats, ...]
 
 
 async def pool_statuses(

@@ -1,10 +1,13 @@
 """The ingress deployment: the gRPC API (through Serve's gRPC proxy) and the OpenAI-compatible
-HTTP API (through Serve's HTTP proxy), both in front of one `Orchestrator`."""
+HTTP API (through Serve's HTTP proxy), both calling one `Orchestrator` through the
+`GenerationService` interface (router/generation_service.py), and the token stream server the
+workers send tokens to."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 from fastapi import FastAPI
@@ -12,7 +15,7 @@ from ray import serve
 
 from cluster.config import resolve_host
 from cluster.errors import PdServeError
-from cluster.model.loader import describe_model
+from cluster.model.info import describe_model
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
@@ -27,13 +30,18 @@ log = logging.getLogger(__name__)
 @serve.ingress()
 class Router:
     async def __init__(self, config: AppConfig, prefill, decode, colocated) -> None:
-        info = describe_model(config.model)
-        metrics = PoolMetrics("router")
-        self.tokens = None
-        if config.token_stream == "direct":
-            self.tokens = TokenStreamServer(resolve_host(config.transfer.host))
-            await self.tokens.start()
-        self.orch = Orchestrator(config, info, prefill, decode, colocated, metrics, self.tokens)
+        self.tokens = TokenStreamServer(resolve_host(config.transfer.host))
+        await self.tokens.start()
+        self.orch = Orchestrator(
+            config,
+            describe_model(config.model),
+            prefill,
+            decode,
+            colocated,
+            self.tokens,
+            PoolMetrics("router"),
+            app_name=serve.get_replica_context().app_name,
+        )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="pdserve", version="1")
@@ -47,28 +55,28 @@ class Router:
         self, request: pb.GenerateRequest, grpc_context
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            req = request_from_proto(self.orch, request)
-            async for chunk in self.orch.generate(req):
-                yield chunk_to_proto(chunk)
+            req = request_from_proto(request, self.orch)
+            async with aclosing(self.orch.generate(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk_to_proto(chunk)
         except Exception as e:
             _fail(grpc_context, e)
             raise
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context) -> pb.ModelInfo:
-        return model_info_to_proto(self.orch)
+        return model_info_to_proto(self.orch.model)
+
+    async def GetStats(self, request: pb.GetStatsRequest, grpc_context) -> pb.ClusterStats:
+        try:
+            return stats_to_proto(await self.orch.stats())
+        except Exception as e:
+            _fail(grpc_context, e)
+            raise
 
     async def __del__(self) -> None:
         tokens = getattr(self, "tokens", None)  # absent if __init__ failed early
         if tokens is not None:
             await tokens.stop()
-
-    async def GetStats(self, request: pb.GetStatsRequest, grpc_context) -> pb.ClusterStats:
-        try:
-            app_name = serve.get_replica_context().app_name
-            return stats_to_proto(*await self.orch.cluster_stats(app_name))
-        except Exception as e:
-            _fail(grpc_context, e)
-            raise
 
 
 def _fail(grpc_context, e: BaseException) -> None:

@@ -1,16 +1,17 @@
-"""The router's side of the direct token stream: a TCP server that workers send step outputs
-to (decode_worker/token_sender.py), and the per-request subscriptions that read them.
+"""The router's side of the token stream: a TCP server that workers send step outputs to
+(decode_worker/token_sender.py), and the per-request subscriptions that read them.
 
 A request subscribes before its worker call is made and gets a `TokenRoute` (this server's
-endpoint and a fresh 16-byte random key) to pass to the worker. Items are delivered to the
-subscription whose request id they name, and only if they carry its key; an item with a wrong
-key, or a frame that fails `token_wire`'s checks, drops the whole connection (the worker then
-aborts its streams on it). Items for a request nobody waits for any more are ignored.
+endpoint and a fresh 16-byte random key) to pass to the worker; leaving the subscription's
+`with` block ends it. Items are delivered to the subscription whose request id they name, and
+only if they carry its key; an item with a wrong key, or a frame that fails `token_wire`'s
+checks, drops the whole connection (the worker then aborts its streams on it). Items for a
+request nobody waits for any more are ignored.
 
-The worker call itself is still a Serve handle call that lasts as long as the stream, so
-Serve's routing, queue limits, autoscaling and cancellation see the request as before; the
-subscription ends the stream when the call fails, or when it returned but the last item did
-not follow within `grace_s`.
+The worker call itself is a Serve handle call that lasts as long as the stream, so Serve's
+routing, queue limits, autoscaling and cancellation see the request; the subscription ends the
+stream when the call fails, or when it returned but the last item did not follow within
+`grace_s`.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ class Subscription:
 
     def close(self) -> None:
         self.server._subs.pop(self.request_id, None)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 class TokenStreamServer:

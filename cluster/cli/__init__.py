@@ -1,5 +1,6 @@
 """The `pdserve` command (`main`) and its verbs: `serve` (start or join Ray, deploy, print the
-endpoints), `bench` and `phases` (`bench`), and the client verbs.
+endpoints), `bench` and `phases` (`bench`), `generate` (over gRPC, or in this process) and
+`status`.
 
 May import: any `cluster` plane.
 """

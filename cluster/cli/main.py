@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import uuid
 from collections.abc import Sequence
 
 from cluster.errors import PdServeError
@@ -62,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="pools, replicas and KV usage of a running cluster")
     st.add_argument("--target", default="127.0.0.1:9000")
     st.add_argument("--application", default=None, help="Serve application (if several)")
-    st.set_defaults(func=lambda a: _status(a.target, a.application))
+    st.set_defaults(func=_status)
 
     from cluster.cli import bench as bench_cli
 
@@ -81,10 +79,10 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
-def _status(target: str, application: str | None) -> int:
-    from cluster.client.generation_client import print_status
+def _status(args: argparse.Namespace) -> int:
+    from cluster.cli.status import status_main
 
-    return print_status(target, application)
+    return status_main(args.target, args.application)
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -95,74 +93,10 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _token_ids(args: argparse.Namespace) -> list[int] | None:
-    if args.prompt_token_ids is None:
-        if args.prompt is None:
-            raise SystemExit("give a PROMPT or --prompt-token-ids")
-        return None
-    try:
-        return [int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
-    except ValueError:
-        raise SystemExit("--prompt-token-ids must be comma-separated integers") from None
-
-
 def _generate(args: argparse.Namespace) -> int:
-    if not args.local:
-        from cluster.client.generation_client import generate_remote
+    from cluster.cli.generate import generate_main
 
-        return generate_remote(args, _token_ids(args))
-    from cluster.client.generation_client import logprobs_json
-    from cluster.config import EngineConfig, ModelConfig
-    from cluster.engine.engine import Engine
-    from cluster.model.make_model import default_model_dir
-    from cluster.request import Request, RequestOutput
-    from cluster.sampling_params import SamplingParams
-
-    ids = _token_ids(args)
-    model = args.model or str(default_model_dir())
-    engine = Engine(EngineConfig(ModelConfig(model, dtype=args.dtype, device=args.device)))
-    if ids is None:
-        if engine.tokenizer is None:
-            raise SystemExit("this checkpoint has no tokenizer: use --prompt-token-ids")
-        ids = engine.tokenizer.encode(args.prompt, add_special_tokens=False)
-    params = SamplingParams(
-        max_tokens=args.max_tokens or engine.config.default_max_tokens,
-        temperature=1.0 if args.temperature is None else args.temperature,
-        top_p=1.0 if args.top_p is None else args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
-    request = Request(uuid.uuid4().hex, tuple(ids), params)
-    engine.add_request(request)
-    result = RequestOutput(request.request_id)
-    while engine.has_work():
-        for out in engine.step():
-            result.add(out)
-            if not args.json:
-                print(out.text, end="", flush=True)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "request_id": result.request_id,
-                    "token_ids": result.token_ids,
-                    "text": result.text,
-                    "finish_reason": result.finish_reason,
-                    "usage": {
-                        "prompt_tokens": len(ids),
-                        "completion_tokens": len(result.token_ids),
-                        "cached_prompt_tokens": result.num_cached_tokens,
-                    },
-                    **logprobs_json(result.token_ids, result.logprobs, args.logprobs),
-                }
-            )
-        )
-    else:
-        print()
-    return 0
+    return generate_main(args)
 
 
 if __name__ == "__main__":

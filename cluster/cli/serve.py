@@ -219,16 +219,17 @@ def _deploy_config_file(path: Path, timeout_s: float = 1800.0) -> tuple[int, int
 
 
 def _demo(target: str) -> None:
-    from cluster.client.generation_client import connect
+    from cluster.client.generation_client import GenerationClient
     from cluster.pb.pdserve.v1 import generation_pb2 as pb
 
     prompt = "pdserve splits prefill from decode"
     sampling = pb.SamplingParams(max_tokens=24, temperature=0.0)
     print(f"\ndemo request over gRPC: {prompt!r}")
     text, last = [], None
-    for msg in connect(target).Generate(pb.GenerateRequest(prompt=prompt, sampling=sampling)):
-        text.append(msg.text)
-        last = msg
+    with GenerationClient(target) as client:
+        for msg in client.generate(pb.GenerateRequest(prompt=prompt, sampling=sampling)):
+            text.append(msg.text)
+            last = msg
     t = last.timing
     print(f"  -> {''.join(text)!r}")
     print(

@@ -21,7 +21,6 @@ from cluster.serving.autoscaling import (
 from cluster.serving.cpu_affinity import parse_cpu_list
 
 Mode = Literal["disaggregated", "colocated"]
-TokenStream = Literal["direct", "serve"]
 
 
 @dataclass(frozen=True)
@@ -106,9 +105,6 @@ class AppConfig:
     request_timeout_seconds: float = 300.0
     # Retries of the prefill hop (and of the whole request when a lease expired) on UNAVAILABLE.
     max_retries: int = 2
-    # How workers' tokens reach the router: "direct" = from the engine thread over TCP to the
-    # router's token stream server; "serve" = yielded back through the Serve handle call.
-    token_stream: TokenStream = "direct"
     name: str = "pdserve"
 
     def __post_init__(self) -> None:
@@ -123,10 +119,6 @@ class AppConfig:
             raise InvalidArgument("max_retries must be >= 0")
         if self.router.engine_cpus:
             raise InvalidArgument("engine_cpus is for the engine pools; the router has no engine")
-        if self.token_stream not in ("direct", "serve"):
-            raise InvalidArgument(
-                f"token_stream must be direct or serve, got {self.token_stream!r}"
-            )
         if self.transfer.transport == "nccl" and not self.model.device.startswith("cuda"):
             raise InvalidArgument("transport nccl moves KV between GPUs: it needs device cuda")
 
@@ -150,7 +142,6 @@ class AppConfig:
             model=self.model,
             cache=p.cache,
             scheduler=p.scheduler,
-            role=pool,
             default_max_tokens=self.default_max_tokens,
         )
 

@@ -22,7 +22,7 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class TokenRoute:
-    """Where a worker sends a request's outputs in the direct token stream: the router's token
+    """Where a worker sends a request's outputs in the token stream: the router's token
     server (host:port) and the stream's key, a random secret only the router and this call
     know; the router drops a connection that sends a stream's outputs with another key."""
 

@@ -1,4 +1,4 @@
-"""The frame format of the direct token stream: a worker's step outputs, sent to the router.
+"""The frame format of the token stream: a worker's step outputs, sent to the router.
 
 A frame is a 7-byte header (magic `b"PT"`, version, big-endian payload length) and a msgpack
 array of items, one per request that gained tokens in the step. An item is a fixed-position

@@ -1,4 +1,4 @@
-"""The direct token stream between a real engine thread and a real router-side server on
+"""The token stream between a real engine thread and a real router-side server on
 loopback: outputs arrive in order with the worker's extras, a broken or hostile connection
 fails its streams and the engine frees their blocks, and a router that stops reading is
 buffered up to a bound. The engine's greedy tokens are checked against the engine itself
@@ -160,14 +160,14 @@ def test_cancelling_the_worker_call_aborts_and_frees(model_dir, make_engine):
         async with rig(make_engine(path)) as t:
             sub = t.server.subscribe("r1")
             cancelled = threading.Event()
-            sink = await t.sender.open(sub.route, "r1", chunk_maker("w0", until(cancelled)))
-            run = t.run(Request("r1", prompt(6, 1), greedy(100)), sink)
-            await asyncio.wait_for(sub.next(), 30)
-            run.cancel()
-            cancelled.set()
-            with pytest.raises(asyncio.CancelledError):
-                await run
-            t.sender.discard(sink)
+            make = chunk_maker("w0", until(cancelled))
+            async with t.sender.sink(sub.route, "r1", make) as sink:  # as the workers use it
+                run = t.run(Request("r1", prompt(6, 1), greedy(100)), sink)
+                await asyncio.wait_for(sub.next(), 30)
+                run.cancel()
+                cancelled.set()
+                with pytest.raises(asyncio.CancelledError):
+                    await run
             assert await used(t.engine) == 0
             assert not sink.conn.sinks and sink.conn.broken is None  # the connection lives on
 

@@ -1,8 +1,6 @@
 """End to end on a real local Ray with `transfer.transport="gloo"`: router -> prefill pool ->
 KV over a two-rank gloo group (negotiated over the gRPC control channel) -> decode pool.
-transformers' greedy decoding on the same checkpoint is the oracle. This app also relays tokens
-back through the Serve handles (`token_stream="serve"`), so that relay has its end-to-end test
-too (the other apps use the default direct token stream)."""
+transformers' greedy decoding on the same checkpoint is the oracle."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ import torch
 
 from cluster.config import TransferConfig
 from cluster.engine.engine import Engine
-from cluster.kv_transfer.collective_kv_client import DirectKVClient
+from cluster.kv_transfer.collective_kv_client import CollectiveKVClient
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
@@ -30,13 +28,7 @@ def gloo_app(ray_serve, tokenizer_model_dir):
 
     base = small_app_config(str(tokenizer_model_dir))
     deploy(
-        replace(
-            base,
-            transfer=TransferConfig(transport="gloo", lease_seconds=10.0),
-            token_stream="serve",
-        ),
-        APP,
-        "/gloo",
+        replace(base, transfer=TransferConfig(transport="gloo", lease_seconds=10.0)), APP, "/gloo"
     )
     yield ray_serve
     serve.delete(APP)
@@ -81,7 +73,7 @@ def test_a_prefill_replica_serves_its_lease_over_gloo_across_processes(
     assert handle.transport == "gloo"
 
     async def fetch():
-        client = DirectKVClient("gloo", torch.device("cpu"), 1 << 20, 10.0)
+        client = CollectiveKVClient("gloo", torch.device("cpu"), 1 << 20, 10.0)
         try:
             kv = await client.fetch(handle, handle.layout)
             assert await client.release(handle, "fetched")

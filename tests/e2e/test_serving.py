@@ -1,48 +1,26 @@
 """End to end on a real local Ray: router -> prefill pool -> KV over gRPC -> decode pool.
 
 Nothing is mocked: real Serve deployments, the real gRPC proxy and KV transport, the real
-engine; transformers' greedy decoding on the same checkpoint is the oracle.
+engine; transformers' greedy decoding on the same checkpoint is the oracle. Here: outputs on
+every replica, streaming, seeds, the prefix cache and the routing that finds it, and what a
+client's cancel frees.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import grpc
 import openai
 import pytest
 
-from cluster.errors import FailedPrecondition, Unauthenticated, Unavailable
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from cluster.request import Request
-from cluster.sampling_params import SamplingParams
-from cluster.serving.pool_messages import DecodeRequest
 from tests.e2e.conftest import CO, ENGINE_CORE, PD
+from tests.e2e.grpc_calls import generate, greedy_sampling, replace_seed, tokens
 from tests.ray_fixtures import app_metadata, stub, wait_for_idle
-
-
-def generate(ends, app: str, **fields) -> tuple[list[pb.GenerateResponse], list[float]]:
-    """One streaming Generate call; returns the messages and their arrival times."""
-    sampling = fields.pop("sampling", pb.SamplingParams())
-    request = pb.GenerateRequest(sampling=sampling, **fields)
-    msgs, times = [], []
-    for msg in stub(ends).Generate(request, metadata=app_metadata(app)):
-        msgs.append(msg)
-        times.append(time.monotonic())
-    return msgs, times
-
-
-def tokens(msgs: list[pb.GenerateResponse]) -> list[int]:
-    return [t for m in msgs for t in m.token_ids]
-
-
-def greedy_sampling(max_tokens: int) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def test_32_concurrent_greedy_requests_match_transformers_on_every_replica(
@@ -133,52 +111,33 @@ def test_a_client_that_stops_reading_then_cancels_stops_the_generation(apps, app
     assert 0 < generated < max_tokens
 
 
-def test_openai_client_completions_and_chat(apps, tokenizer_model_dir, hf):
-    from transformers import AutoTokenizer
+def test_seeded_sampling_is_the_same_disaggregated_colocated_alone_and_batched(apps):
+    seeded = pb.SamplingParams(
+        max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=77, ignore_eos=True
+    )
+    ids = [11, 22, 33, 44, 55, 66, 77, 88]
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_model_dir)
-    client = openai.OpenAI(base_url=f"{apps.http_base}/pd/v1", api_key="unused", max_retries=0)
-    model = client.models.list().data[0].id
-    extra = {"ignore_eos": True}
+    def run(app, sampling=seeded, prompt_ids=ids):
+        return tokens(generate(apps, app, prompt_token_ids=prompt_ids, sampling=sampling)[0])
 
-    prompt = "The quick brown fox"
-    ids = tok.encode(prompt, add_special_tokens=False)
-    want = tok.decode(hf.greedy(tokenizer_model_dir, ids, 12), skip_special_tokens=True)
-    done = client.completions.create(
-        model=model, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra
-    )
-    assert done.choices[0].text == want
-    assert done.choices[0].finish_reason == "length"
-    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 12)
-    stream = client.completions.create(
-        model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body=extra
-    )
-    assert "".join(c.choices[0].text for c in stream if c.choices) == want
-
-    messages = [{"role": "user", "content": "Say hello"}]
-    chat_ids = tok.encode(
-        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-        add_special_tokens=False,
-    )
-    want = tok.decode(hf.greedy(tokenizer_model_dir, chat_ids, 10), skip_special_tokens=True)
-    chat = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=10, temperature=0, extra_body=extra
-    )
-    assert chat.choices[0].message.content == want
-    assert chat.usage.prompt_tokens == len(chat_ids)
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=10,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body=extra,
-    )
-    chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
-    assert chunks[-1].usage.completion_tokens == 10
+    alone = {app: run(app) for app in (PD, CO)}
+    others = [
+        (pb.SamplingParams(max_tokens=12, temperature=0.7, seed=i, ignore_eos=True), [i + 5] * i)
+        for i in range(1, 9)
+    ]
+    batched = {}
+    for app in (PD, CO):
+        with ThreadPoolExecutor(9) as pool:
+            futures = [pool.submit(run, app, s, p) for s, p in others]
+            batched[app] = pool.submit(run, app).result()
+            for f in futures:
+                f.result()
+    assert len(alone[PD]) == 16
+    assert alone[PD] == alone[CO] == batched[PD] == batched[CO]
+    other_seed = run(PD, replace_seed(seeded, 78))
+    assert other_seed != alone[PD]
     wait_for_idle(apps, PD, {"prefill", "decode"})
+    wait_for_idle(apps, CO, {"colocated"})
 
 
 def test_a_chats_next_turn_finds_the_last_turns_prompt_cached(apps, tokenizer_model_dir):
@@ -213,35 +172,6 @@ def test_a_chats_next_turn_finds_the_last_turns_prompt_cached(apps, tokenizer_mo
         assert second.usage.prompt_tokens == len(after)
         assert second.usage.prompt_tokens_details.cached_tokens == 16 * blocks > 0, n
     wait_for_idle(apps, PD, {"prefill", "decode"})
-
-
-def test_seeded_sampling_is_the_same_disaggregated_colocated_alone_and_batched(apps):
-    seeded = pb.SamplingParams(
-        max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=77, ignore_eos=True
-    )
-    ids = [11, 22, 33, 44, 55, 66, 77, 88]
-
-    def run(app, sampling=seeded, prompt_ids=ids):
-        return tokens(generate(apps, app, prompt_token_ids=prompt_ids, sampling=sampling)[0])
-
-    alone = {app: run(app) for app in (PD, CO)}
-    others = [
-        (pb.SamplingParams(max_tokens=12, temperature=0.7, seed=i, ignore_eos=True), [i + 5] * i)
-        for i in range(1, 9)
-    ]
-    batched = {}
-    for app in (PD, CO):
-        with ThreadPoolExecutor(9) as pool:
-            futures = [pool.submit(run, app, s, p) for s, p in others]
-            batched[app] = pool.submit(run, app).result()
-            for f in futures:
-                f.result()
-    assert len(alone[PD]) == 16
-    assert alone[PD] == alone[CO] == batched[PD] == batched[CO]
-    other_seed = run(PD, replace_seed(seeded, 78))
-    assert other_seed != alone[PD]
-    wait_for_idle(apps, PD, {"prefill", "decode"})
-    wait_for_idle(apps, CO, {"colocated"})
 
 
 def test_a_repeated_prompt_reports_its_cached_prefix(apps):
@@ -310,124 +240,6 @@ def _prefix_routing(metrics_port: int, app: str) -> dict[str, float]:
     }
 
 
-def test_logprobs_over_grpc_and_openai_match_transformers(apps, tokenizer_model_dir, hf):
-    """Disaggregated: the prefill worker scores the first token, the decode worker the rest;
-    every logprob is log_softmax of transformers' logits, over gRPC and over the OpenAI API."""
-    import torch
-
-    ids = list(range(30, 52))
-    n, k = 6, 3
-    sampling = greedy_sampling(n)
-    sampling.logprobs = k
-    msgs, _ = generate(apps, PD, prompt_token_ids=ids, sampling=sampling)
-    oracle = hf.run(tokenizer_model_dir, ids, n)
-    assert tokens(msgs) == oracle.tokens
-    scored = [lp for m in msgs for lp in m.logprobs]
-    assert len(scored) == n
-    for lp, token, logits in zip(scored, oracle.tokens, oracle.logits, strict=True):
-        want = torch.log_softmax(logits, dim=-1)
-        assert lp.logprob == pytest.approx(float(want[token]), abs=1e-4)
-        assert [t.token_id for t in lp.top_logprobs] == torch.topk(want, k).indices.tolist()
-    client = openai.OpenAI(base_url=f"{apps.http_base}/pd/v1", api_key="unused", max_retries=0)
-    out = client.completions.create(
-        model=client.models.list().data[0].id,
-        prompt=ids,
-        max_tokens=n,
-        temperature=0,
-        logprobs=k,
-        extra_body={"ignore_eos": True},
-    )
-    got = out.choices[0].logprobs
-    assert got.token_logprobs == pytest.approx([lp.logprob for lp in scored], abs=1e-6)
-    assert [len(t) for t in got.top_logprobs] == [k] * n
-    wait_for_idle(apps, PD, {"prefill", "decode"})
-
-
-def replace_seed(s: pb.SamplingParams, seed: int) -> pb.SamplingParams:
-    out = pb.SamplingParams()
-    out.CopyFrom(s)
-    out.seed = seed
-    return out
-
-
-def _prefill(rid: str):
-    from ray import serve
-
-    prefill = serve.get_deployment_handle("Prefill", app_name=PD)
-    request = Request(rid, (5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21))
-    request = replace(request, params=SamplingParams(max_tokens=4, temperature=0.0))
-    return request, prefill.prefill.remote(request).result()
-
-
-def _decode(request, handle, first_token: int) -> list:
-    from ray import serve
-
-    decode = serve.get_deployment_handle("Decode", app_name=PD)
-    return list(
-        decode.options(stream=True).decode.remote(DecodeRequest(request, handle, first_token))
-    )
-
-
-def test_bad_token_expired_lease_and_layout_mismatch_fail_with_documented_codes(apps):
-    import asyncio
-
-    from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
-
-    # A forged capability token is refused by the prefill replica's KV server.
-    request, result = _prefill("forged")
-    forged = replace(result.handle, capability_token=b"\0" * len(result.handle.capability_token))
-    with pytest.raises(Unauthenticated):
-        _decode(request, forged, result.first.token_ids[0])
-    # The real token still works afterwards: the lease was not consumed by the forgery.
-    chunks = _decode(request, result.handle, result.first.token_ids[0])
-    assert chunks[-1].output.finish_reason == "length"
-
-    # A handle whose layout differs from the decode pool's fails before any transfer.
-    request, result = _prefill("mismatch")
-    other = replace(result.handle, layout=replace(result.handle.layout, model_id="other@0"))
-    with pytest.raises(FailedPrecondition):
-        _decode(request, other, result.first.token_ids[0])
-    # ... and the KV server refuses a receiver whose layout differs, too.
-    client = GrpcKVClient(1 << 20, 10.0)
-    with pytest.raises(FailedPrecondition):
-        asyncio.run(client.fetch(result.handle, replace(result.handle.layout, head_dim=8)))
-    assert asyncio.run(client.release(result.handle, "aborted"))
-
-    # A fetch after the lease expired fails (retryably) and never reads freed blocks.
-    request, result = _prefill("expired")
-    time.sleep(result.handle.lease_expiry_unix - time.time() + 1.5)
-    with pytest.raises(Unavailable):
-        _decode(request, result.handle, result.first.token_ids[0])
-
-    # The workers keep serving, and nothing is left pinned.
-    msgs, _ = generate(apps, PD, prompt="still serving", sampling=greedy_sampling(5))
-    assert len(tokens(msgs)) == 5
-    wait_for_idle(apps, PD, {"prefill", "decode"})
-
-
-@pytest.mark.parametrize(
-    ("fields", "code"),
-    [
-        ({"prompt": ""}, grpc.StatusCode.INVALID_ARGUMENT),
-        ({"prompt": "x", "sampling": pb.SamplingParams(max_tokens=0)}, "INVALID_ARGUMENT"),
-        ({"prompt": "x", "sampling": pb.SamplingParams(temperature=-1)}, "INVALID_ARGUMENT"),
-        ({"prompt": "x", "sampling": pb.SamplingParams(temperature=math.nan)}, "INVALID_ARGUMENT"),
-        ({"prompt": "x", "sampling": pb.SamplingParams(top_p=0.0)}, "INVALID_ARGUMENT"),
-        ({"prompt_token_ids": [1, 999999]}, "INVALID_ARGUMENT"),
-        ({"prompt_token_ids": [5] * 5000}, "INVALID_ARGUMENT"),
-        ({"prompt": "x", "prompt_token_ids": [5]}, "INVALID_ARGUMENT"),
-        ({"prompt": "x", "model": "no-such-model"}, "NOT_FOUND"),
-    ],
-)
-def test_bad_requests_get_documented_status_and_service_continues(apps, fields, code):
-    code = code if isinstance(code, grpc.StatusCode) else getattr(grpc.StatusCode, code)
-    with pytest.raises(grpc.RpcError) as err:
-        generate(apps, PD, **fields)
-    assert err.value.code() == code, err.value.details()
-    msgs, _ = generate(apps, PD, prompt="ok", sampling=greedy_sampling(2))
-    assert len(tokens(msgs)) == 2
-
-
 def test_the_colocated_engine_thread_runs_on_its_configured_core_only(apps):
     from ray import serve
 
@@ -437,36 +249,3 @@ def test_the_colocated_engine_thread_runs_on_its_configured_core_only(apps):
         assert set(got["replica"]) > set(ENGINE_CORE)
     pd = serve.get_deployment_handle("Decode", app_name=PD).cpu_affinity.remote().result()
     assert pd["engine"] == pd["replica"]  # no engine_cpus: the engine thread is not pinned
-
-
-def test_model_info(apps):
-    info = stub(apps).GetModelInfo(pb.GetModelInfoRequest(), metadata=app_metadata(PD))
-    assert info.vocab_size == 4096 and info.block_size == 16 and info.mode == "disaggregated"
-    assert info.max_context_length == 2048 and info.model_id.startswith("tiny@")
-
-
-def test_cli_generate_and_status_against_the_cluster(apps, capsys):
-    import json
-
-    from cluster.cli.main import main
-
-    target = ["--target", apps.grpc_target, "--application", PD]
-    ids = "5,6,7,8"
-    assert main(["generate", *target, "--json", "--max-tokens", "6", "--temperature", "0",
-                 "--ignore-eos", "--prompt-token-ids", ids]) == 0  # fmt: skip
-    out = json.loads(capsys.readouterr().out)
-    msgs, _ = generate(apps, PD, prompt_token_ids=[5, 6, 7, 8], sampling=greedy_sampling(6))
-    assert out["token_ids"] == tokens(msgs) and out["finish_reason"] == "length"
-    assert out["usage"]["completion_tokens"] == 6 and out["timing"]["prefill_replica"]
-    assert main(["generate", *target, "--json", "--max-tokens", "3", "--temperature", "0",
-                 "--ignore-eos", "--prompt-token-ids", ids, "--logprobs", "2"]) == 0  # fmt: skip
-    scored = json.loads(capsys.readouterr().out)["logprobs"]
-    assert [s["token_id"] for s in scored] == tokens(msgs)[:3]
-    assert all(s["top_logprobs"][0]["token_id"] == s["token_id"] for s in scored)
-    wait_for_idle(apps, PD, {"prefill", "decode"})
-    assert main(["status", *target]) == 0
-    table = capsys.readouterr().out
-    for word in ("prefill", "decode", "Prefill", "Decode", "kv used", "kv cached", "generated"):
-        assert word in table
-    assert main(["generate", *target, "--prompt-token-ids", "999999"]) == 2
-    assert "INVALID_ARGUMENT" in capsys.readouterr().err

@@ -1,162 +1,22 @@
-"""The OpenAI HTTP API against an orchestrator double, driven raw and by the official client.
-
-The double speaks the `Orchestrator` API with canned tokens (" t0", " t1", ...), so these tests
-pin the HTTP contract: shapes, statuses, streaming, and that every generator opened is closed.
-The real end-to-end path is tested with the cluster.
-"""
+"""The OpenAI HTTP API's answers, against a `GenerationService` double (tests/router/
+fake_service.py), driven raw and by the official client: shapes, streaming and logprobs of
+completions and chat. The real end-to-end path is tested with the cluster (tests/e2e)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import random
-import uuid
-from dataclasses import replace
-from types import SimpleNamespace
-
 import openai
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from cluster.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    PdServeError,
-    ResourceExhausted,
-    Unavailable,
-)
-from cluster.request import Request, TokenLogprobs
 from cluster.sampling_params import SamplingParams
-from router.generation_chunk import GenerationChunk, Timing, Usage
-from router.openai_api import install_error_handlers, openai_routes
-
-MODEL = "tiny-llama"
-MODEL_ID = "tiny-llama@0123abcd"
-SERVER_MAX_TOKENS = 8
-TIMING = Timing(0.001, 0.002, 0.003, 0.004, 0.005, 0.006, "prefill-0", "decode-0")
-
-
-class FakeOrchestrator:
-    """Generates `max_tokens` tokens " t0", " t1", ...; a stop string ends it early with "stop".
-    Knobs: `refuse` (raised on the first `anext`), `fail_at` (raised before token i),
-    `hang_after_first`, `last_reason` (overrides the final finish reason)."""
-
-    def __init__(self) -> None:
-        self.info = SimpleNamespace(model_id=MODEL_ID, max_model_len=128)
-        self.config = SimpleNamespace(model=SimpleNamespace(path=f"/ckpts/{MODEL}"))
-        self.refuse: BaseException | None = None
-        self.fail_at: tuple[int, BaseException] | None = None
-        self.hang_after_first = False
-        self.last_reason: str | None = None
-        self.requests: list[Request] = []
-        self.messages: list[dict] | None = None
-        self.opened = self.closed = 0
-
-    def model_names(self) -> tuple[str, str]:
-        return (MODEL, MODEL_ID)
-
-    def token_text(self, token_id: int) -> str:
-        return f" t{token_id}"
-
-    def sampling_params(self, max_tokens: int | None = None, **fields) -> SamplingParams:
-        fields = {k: v for k, v in fields.items() if v is not None}
-        params = SamplingParams(
-            max_tokens=SERVER_MAX_TOKENS if max_tokens is None else max_tokens, **fields
-        )
-        if params.seed is None and not params.greedy:
-            params = replace(params, seed=random.getrandbits(63))
-        return params
-
-    def build_request(self, prompt, prompt_token_ids, params, request_id=None) -> Request:
-        if prompt and prompt_token_ids:
-            raise InvalidArgument("give either prompt or prompt_token_ids, not both", "prompt")
-        ids = prompt_token_ids or [ord(c) % 100 for c in prompt or ""]
-        if not ids:
-            raise InvalidArgument("prompt is empty", param="prompt")
-        request = Request(request_id or uuid.uuid4().hex, tuple(ids), params)
-        self.requests.append(request)
-        return request
-
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        self.messages = messages
-        if any(m["role"] not in ("system", "user", "assistant") for m in messages):
-            raise InvalidArgument("cannot render messages: unknown role", param="messages")
-        return [ord(c) % 100 for m in messages for c in f"{m['role']}: {m['content']}\n"]
-
-    async def generate(self, request: Request):
-        self.opened += 1
-        try:
-            if self.refuse is not None:
-                raise self.refuse
-            params = request.params
-            for i in range(params.max_tokens):
-                if self.fail_at is not None and self.fail_at[0] == i:
-                    raise self.fail_at[1]
-                if i == 1 and self.hang_after_first:
-                    await asyncio.Event().wait()
-                text = f" t{i}"
-                if text.strip() in params.stop:
-                    yield self._last(request, i, "", "stop")
-                    return
-                if i == params.max_tokens - 1:
-                    last = self._last(request, i + 1, text, self.last_reason or "length")
-                    yield replace(last, logprobs=fake_logprobs(params, i + 1))
-                    return
-                yield GenerationChunk(
-                    request.request_id, (i,), text, logprobs=fake_logprobs(params, i)
-                )
-        finally:
-            await asyncio.sleep(0)  # as the real one awaits its KV release: must not be cancelled
-            self.closed += 1
-
-    def _last(self, request: Request, n: int, text: str, reason: str) -> GenerationChunk:
-        usage = Usage(len(request.prompt_token_ids), n, cached_prompt_tokens=1)
-        return GenerationChunk(request.request_id, (n,), text, reason, usage, TIMING)
-
-
-def fake_logprobs(params: SamplingParams, token: int) -> tuple[TokenLogprobs, ...]:
-    """Token i: logprob -i/10, alternatives i+j at -(1+j) for j < params.logprobs."""
-    if params.logprobs is None:
-        return ()
-    top = tuple((token + j, -1.0 - j) for j in range(params.logprobs))
-    return (TokenLogprobs(-token / 10, top),)
-
-
-@pytest.fixture
-def fake() -> FakeOrchestrator:
-    return FakeOrchestrator()
-
-
-@pytest.fixture
-def app(fake: FakeOrchestrator) -> FastAPI:
-    app = FastAPI()
-    app.include_router(openai_routes(lambda: fake))
-    install_error_handlers(app)
-    return app
-
-
-@pytest.fixture
-def client(app: FastAPI, fake: FakeOrchestrator):
-    with TestClient(app, raise_server_exceptions=False) as c:
-        yield c
-    assert fake.closed == fake.opened, "a generation was left open"
-
-
-@pytest.fixture
-def oai(client: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0
-    )
-
-
-def sse_payloads(body: str) -> list[dict | str]:
-    """The `data:` payloads of an SSE body, checking the framing; "[DONE]" stays a string."""
-    assert body.endswith("data: [DONE]\n\n")
-    events = body.split("\n\n")[:-1]
-    assert all(e.startswith("data: ") for e in events), events
-    return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in events]
-
+from tests.router.fake_service import (
+    COMPLETION,
+    MODEL,
+    MODEL_ID,
+    SERVER_MAX_TOKENS,
+    FakeService,
+    sse_payloads,
+)
 
 # -- models and health -------------------------------------------------------------------------
 
@@ -177,7 +37,7 @@ def test_models_lists_the_checkpoint(client: TestClient, oai: openai.OpenAI) -> 
 # -- completions -------------------------------------------------------------------------------
 
 
-def test_completion(oai: openai.OpenAI, fake: FakeOrchestrator) -> None:
+def test_completion(oai: openai.OpenAI, fake: FakeService) -> None:
     out = oai.completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
     assert out.object == "text_completion" and out.id.startswith("cmpl-") and out.model == MODEL
     [choice] = out.choices
@@ -263,7 +123,7 @@ def test_completion_stream_with_usage_by_the_client(oai: openai.OpenAI) -> None:
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (2, 3)
 
 
-def test_completion_logprobs(oai: openai.OpenAI, fake: FakeOrchestrator) -> None:
+def test_completion_logprobs(oai: openai.OpenAI, fake: FakeService) -> None:
     out = oai.completions.create(model=MODEL, prompt="hi", max_tokens=3, logprobs=2)
     assert fake.requests[-1].params.logprobs == 2
     lp = out.choices[0].logprobs
@@ -289,7 +149,7 @@ def test_completion_stream_logprobs_continue_their_offsets(client: TestClient) -
 # -- chat --------------------------------------------------------------------------------------
 
 
-def test_chat(oai: openai.OpenAI, fake: FakeOrchestrator) -> None:
+def test_chat(oai: openai.OpenAI, fake: FakeService) -> None:
     out = oai.chat.completions.create(
         model=MODEL,
         messages=[
@@ -356,7 +216,7 @@ def test_chat_stream_single_chunk(client: TestClient) -> None:
     assert done == "[DONE]"
 
 
-def test_chat_logprobs(oai: openai.OpenAI, fake: FakeOrchestrator) -> None:
+def test_chat_logprobs(oai: openai.OpenAI, fake: FakeService) -> None:
     out = oai.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "hi"}],
@@ -374,218 +234,9 @@ def test_chat_logprobs(oai: openai.OpenAI, fake: FakeOrchestrator) -> None:
     ]
 
 
-def test_chat_without_logprobs_has_none(oai: openai.OpenAI, fake: FakeOrchestrator) -> None:
+def test_chat_without_logprobs_has_none(oai: openai.OpenAI, fake: FakeService) -> None:
     out = oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=False
     )
     assert fake.requests[-1].params.logprobs is None
     assert out.choices[0].logprobs is None
-
-
-# -- errors ------------------------------------------------------------------------------------
-
-COMPLETION = {"prompt": "hi", "max_tokens": 2}
-CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-def assert_error(r, status: int, type_: str, param: str | None = None, code=None) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == type_ and error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
-
-
-@pytest.mark.parametrize(
-    ("path", "body", "param", "words"),
-    [
-        ("/v1/completions", {**COMPLETION, "n": 2}, "n", "n=1"),
-        ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt", "batched"),
-        ("/v1/completions", {**COMPLETION, "prompt": [[1], [2]]}, "prompt", "batched"),
-        ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs", "logprobs"),
-        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, "logprobs: true"),
-        (
-            "/v1/chat/completions",
-            {**CHAT, "logprobs": True, "top_logprobs": 30},
-            "logprobs",
-            "logprobs",
-        ),
-        ("/v1/completions", {**COMPLETION, "echo": True}, "echo", "echo"),
-        ("/v1/completions", {"max_tokens": 2}, "prompt", "required"),
-        ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, "max_tokens", "integer"),
-        ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens", "positive"),
-        ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature", "temperature"),
-        ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt", "empty"),
-        ("/v1/chat/completions", {**CHAT, "n": 3}, "n", "n=1"),
-        ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1"),
-        (
-            "/v1/chat/completions",
-            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages.0.content",
-            "image_url",
-        ),
-        (
-            "/v1/chat/completions",
-            {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]},
-            "messages",
-            "role",
-        ),
-    ],
-)
-@pytest.mark.parametrize("stream", [False, True])
-def test_bad_requests_are_400(client, fake, path, body, param, words, stream) -> None:
-    r = client.post(path, json={**body, "stream": stream})
-    error = assert_error(r, 400, "invalid_request_error", param)
-    assert words in error["message"]
-    assert fake.opened == 0
-
-
-def test_invalid_json_is_400(client: TestClient) -> None:
-    r = client.post(
-        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
-    )
-    assert "invalid JSON" in assert_error(r, 400, "invalid_request_error")["message"]
-
-
-@pytest.mark.parametrize("prompt", [5, ["a", 1], None])
-def test_prompt_of_no_accepted_type_is_400(client: TestClient, prompt) -> None:
-    r = client.post("/v1/completions", json={"prompt": prompt})
-    error = assert_error(r, 400, "invalid_request_error", "prompt")
-    assert error["message"] == "prompt: expected str or list[int] or list[str] or list[list[int]]"
-
-
-def test_unknown_model_is_404(client: TestClient, oai: openai.OpenAI) -> None:
-    r = client.post("/v1/completions", json={**COMPLETION, "model": "gpt-9"})
-    error = assert_error(r, 404, "not_found_error", "model", code="model_not_found")
-    assert "gpt-9" in error["message"]
-    with pytest.raises(openai.NotFoundError):
-        oai.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
-
-
-def test_unknown_route_is_404_in_openai_shape(client: TestClient) -> None:
-    assert_error(client.get("/v1/engines"), 404, "not_found_error")
-
-
-@pytest.mark.parametrize(
-    ("refusal", "status", "type_", "client_error"),
-    [
-        (ResourceExhausted("queue full"), 429, "rate_limit_error", openai.RateLimitError),
-        (Unavailable("no replica"), 503, "service_unavailable", openai.InternalServerError),
-        (DeadlineExceeded("too slow"), 504, "timeout_error", openai.InternalServerError),
-        (
-            InvalidArgument("bad", param="stop"),
-            400,
-            "invalid_request_error",
-            openai.BadRequestError,
-        ),
-        (PdServeError("bug"), 500, "internal_error", openai.InternalServerError),
-    ],
-)
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-@pytest.mark.parametrize("stream", [False, True])
-def test_refused_requests_get_their_status(
-    client, oai, fake, refusal, status, type_, client_error, path, stream
-) -> None:
-    fake.refuse = refusal
-    body = {**(COMPLETION if path == "/v1/completions" else CHAT), "stream": stream}
-    error = assert_error(client.post(path, json=body), status, type_, refusal.param)
-    assert error["message"] == refusal.message
-    assert error["code"] == refusal.grpc_code.lower()
-    with pytest.raises(client_error):
-        oai.completions.create(model=MODEL, prompt="hi", stream=stream)
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_unexpected_errors_are_500_without_details(client, fake, stream) -> None:
-    fake.refuse = RuntimeError("secret detail")
-    r = client.post("/v1/completions", json={**COMPLETION, "stream": stream})
-    error = assert_error(r, 500, "internal_error", code="internal")
-    assert "secret" not in r.text and "Traceback" not in r.text
-    assert error["message"] == "internal server error"
-
-
-@pytest.mark.parametrize(
-    ("failure", "type_", "message"),
-    [
-        (Unavailable("decode replica died"), "service_unavailable", "decode replica died"),
-        (RuntimeError("secret detail"), "internal_error", "internal error"),
-    ],
-)
-def test_error_after_streaming_started_is_a_last_event(client, fake, failure, type_, message):
-    fake.fail_at = (2, failure)
-    r = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 5, "stream": True})
-    assert r.status_code == 200
-    *chunks, error, done = sse_payloads(r.text)
-    assert [c["choices"][0]["text"] for c in chunks] == [" t0", " t1"]
-    assert error["error"]["type"] == type_ and error["error"]["message"] == message
-    assert done == "[DONE]" and "secret" not in r.text
-
-
-def test_error_after_streaming_started_raises_in_the_client(oai, fake) -> None:
-    fake.fail_at = (1, Unavailable("decode replica died"))
-    stream = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
-    )
-    with pytest.raises(openai.APIError, match="decode replica died"):
-        list(stream)
-
-
-def test_abort_is_a_retryable_503(client: TestClient, fake: FakeOrchestrator) -> None:
-    fake.last_reason = "abort"
-    assert_error(client.post("/v1/completions", json=COMPLETION), 503, "service_unavailable")
-    r = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
-    *_, error, done = sse_payloads(r.text)
-    assert error["error"]["type"] == "service_unavailable" and done == "[DONE]"
-
-
-# -- client disconnect -------------------------------------------------------------------------
-
-
-def test_disconnect_mid_stream_closes_the_generation(client, fake) -> None:
-    fake.hang_after_first = True
-    body = {**CHAT, "max_tokens": 10, "stream": True}
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        first = next(r.iter_lines())
-        assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["content"] == " t0"
-    assert fake.opened == 1 and fake.closed == 1
-
-
-def test_disconnect_reported_by_a_failed_send_closes_the_generation(app, fake) -> None:
-    """ASGI 2.4 servers raise OSError from `send` once the client is gone."""
-    fake.hang_after_first = True
-    request = json.dumps({**COMPLETION, "max_tokens": 10, "stream": True}).encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("test", 1),
-        "server": ("test", 80),
-    }
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": request, "more_body": False}
-
-    async def send(message: dict) -> None:
-        if message["type"] == "http.response.body" and sent:
-            raise OSError("client went away")
-        sent.append(message)
-
-    async def run() -> int:
-        try:
-            await app(scope, receive, send)
-        except Exception:
-            pass  # ClientDisconnect: the server's business
-        return fake.closed  # closed by the app itself, not later by garbage collection
-
-    assert asyncio.run(run()) == 1
-    assert sent[0]["status"] == 200 and fake.opened == 1

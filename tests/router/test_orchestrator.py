@@ -1,7 +1,7 @@
-"""The orchestrator's retry rules, with pool handles replaced by doubles (the real pools are
-exercised end to end in tests/e2e). A retried hop must never duplicate tokens the client has.
-Each rule is checked with both token relays: the Serve stream, and the direct token stream
-(a real `TokenStreamServer` and `TokenSender` on loopback, the worker call a double)."""
+"""The orchestrator's retry, cancellation and deadline rules, with pool handles replaced by
+doubles (the real pools are exercised end to end in tests/e2e). A retried hop must never
+duplicate tokens the client has. Tokens travel as in the app: a real `TokenStreamServer` and
+`TokenSender` on loopback, only the worker call is a double."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from cluster.config import ModelConfig
 from cluster.engine.kv_cache import KVLayout
-from cluster.errors import Unavailable
+from cluster.errors import DeadlineExceeded, Unavailable
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.model.decoder import ArchSpec
 from cluster.model.loader import ModelInfo
@@ -28,7 +28,7 @@ LAYOUT = KVLayout("m@0", "float32", 2, 2, 8, 16)
 
 
 class _Remote:
-    """Stands in for `handle.method.remote(...)` and `handle.options(stream=True)`."""
+    """Stands in for `handle.method.remote(...)`."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
@@ -40,10 +40,11 @@ class _Remote:
 @dataclass
 class FakePools:
     prefill_failures: int = 0
-    decode_plan: list[str] = field(default_factory=list)  # per attempt: "ok", "fail-early", ...
+    # per attempt: "ok", "fail-early", "fail-late" or "hang" (no token after the first)
+    decode_plan: list[str] = field(default_factory=list)
     prefill_calls: int = 0
     decode_calls: int = 0
-    worker_calls: list[asyncio.Task] = field(default_factory=list)  # the direct relay's
+    worker_calls: list[asyncio.Task] = field(default_factory=list)
 
     @property
     def prefill(self):
@@ -51,31 +52,28 @@ class FakePools:
 
     @property
     def decode(self):
-        pools = self
+        return type("D", (), {"decode": _Remote(self._call)})()
 
-        class D:
-            decode_to = _Remote(lambda req, route: pools._call_to(req, route))
+    @property
+    def colocated(self):
+        return type("C", (), {"generate": _Remote(self._call)})()
 
-            def options(self, stream: bool):
-                return type("S", (), {"decode": _Remote(pools._decode)})()
-
-        return D()
-
-    def _call_to(self, decode_request, route) -> asyncio.Task:
-        self.worker_calls.append(asyncio.ensure_future(self._to(decode_request, route)))
+    def _call(self, payload, route) -> asyncio.Task:
+        """A worker call (`DecodeWorker.decode`, `ColocatedWorker.generate`): a task standing
+        for the Serve call, which sends the planned chunks through a real TokenSender."""
+        self.worker_calls.append(asyncio.ensure_future(self._send(payload, route)))
         return self.worker_calls[-1]
 
-    async def _to(self, decode_request, route):
-        """The direct relay's worker call: the same plan, sent through a real TokenSender."""
+    async def _send(self, payload, route):
+        request = getattr(payload, "request", payload)  # a DecodeRequest, or a Request
+        plan = self._colocated(request) if payload is request else self._decode(payload)
         sender = TokenSender()
-        chunks = self._decode(decode_request)
         try:
             sink = None
-            async for c in chunks:
+            async for c in plan:
                 if sink is None:
-                    make = lambda out, first, c=c: c  # noqa: E731 - the chunk as planned
-                    sink = await sender.open(route, decode_request.request.request_id, make)
-                sink.make = lambda out, first, c=c: c
+                    sink = await sender.open(route, request.request_id, None)
+                sink.make = lambda out, first, c=c: c  # the chunk as planned
                 sink.put(c.output).flush()
                 if not c.output.finished:
                     await asyncio.sleep(0.2)  # let the router take it before a planned failure
@@ -113,33 +111,43 @@ class FakePools:
         yield WorkerChunk(StepOutput(rid, (8,), "b", None, 3, 2), "d0", kv_transfer_seconds=0.01)
         if plan == "fail-late":
             raise Unavailable("replica died")
+        if plan == "hang":
+            await asyncio.Event().wait()
         yield WorkerChunk(StepOutput(rid, (9,), "c", "length", 3, 3), "d0")
 
+    async def _colocated(self, request):
+        rid = request.request_id
+        yield WorkerChunk(StepOutput(rid, (7,), "a", None, 3, 1), "c0", prefill_seconds=0.01)
+        yield WorkerChunk(StepOutput(rid, (8,), "b", "length", 3, 2), "c0")
 
-class NoRelease:
+
+class Releases:
+    """Stands in for the router's KV client: counts the leases it gives back."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
     async def release(self, handle, reason):
+        self.released.append(reason)
         return True
 
 
-@pytest.fixture(params=["direct", "serve"])
-def relay(request) -> str:
-    return request.param
-
-
-def run(pools: FakePools, relay: str, take: int | None = None) -> list:
+def run(pools: FakePools, take: int | None = None, **config) -> list:
     """The chunks of one request; with `take`, the client stops reading after that many."""
+    return asyncio.run(run_async(pools, take, **config))[0]
+
+
+async def run_async(pools: FakePools, take: int | None = None, **config):
     spec = ArchSpec(
         512, 64, 128, 2, 4, 2, 8, 1e-5, 256, {}, False, False, False, False, False, None
     )
     info = ModelInfo(spec, None, "m@0", frozenset(), 256)
-    config = AppConfig(model=ModelConfig(path="/nonexistent"), max_retries=2, token_stream=relay)
-
-    async def go():
-        tokens = TokenStreamServer("127.0.0.1") if relay == "direct" else None
-        if tokens is not None:
-            await tokens.start()
-        orch = Orchestrator(config, info, pools.prefill, pools.decode, None, tokens=tokens)
-        orch.kv_client = NoRelease()
+    config = AppConfig(model=ModelConfig(path="/nonexistent"), **{"max_retries": 2, **config})
+    tokens = TokenStreamServer("127.0.0.1")
+    await tokens.start()
+    try:
+        orch = Orchestrator(config, info, pools.prefill, pools.decode, pools.colocated, tokens)
+        orch.kv_client = Releases()
         params = SamplingParams(max_tokens=3, temperature=0.0)
         request = orch.build_request(None, [1, 2, 3], params, "r1")
         got = []
@@ -149,58 +157,75 @@ def run(pools: FakePools, relay: str, take: int | None = None) -> list:
                 got.append(c)
                 if len(got) == take:
                     break
+        finally:
             await stream.aclose()
             await asyncio.gather(*pools.worker_calls, return_exceptions=True)
-            return got
-        finally:
-            if tokens is not None:
-                assert not tokens._subs  # every subscription was closed
-                await tokens.stop()
-
-    return asyncio.run(go())
+        return got, orch.kv_client.released
+    finally:
+        assert not tokens._subs  # every subscription was closed
+        await tokens.stop()
 
 
 def tokens(chunks) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-def test_prefill_retried_on_unavailable(relay):
+def test_prefill_retried_on_unavailable():
     pools = FakePools(prefill_failures=2, decode_plan=["ok"])
-    chunks = run(pools, relay)
+    chunks = run(pools)
     assert tokens(chunks) == [7, 8, 9] and pools.prefill_calls == 3
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
 
 
-def test_decode_failing_before_its_first_token_is_redone_without_duplicates(relay):
+def test_decode_failing_before_its_first_token_is_redone_without_duplicates():
     pools = FakePools(decode_plan=["fail-early", "ok"])
-    chunks = run(pools, relay)
+    chunks = run(pools)
     assert tokens(chunks) == [7, 8, 9]  # the first token is sent once
     assert pools.prefill_calls == 2 and pools.decode_calls == 2
 
 
-def test_decode_failing_mid_stream_is_not_replayed(relay):
+def test_decode_failing_mid_stream_is_not_replayed():
     pools = FakePools(decode_plan=["fail-late", "ok"])
     with pytest.raises(Unavailable):
-        run(pools, relay)
+        run(pools)
     assert pools.decode_calls == 1
 
 
-def test_retries_are_bounded(relay):
+def test_retries_are_bounded():
     pools = FakePools(prefill_failures=10)
     with pytest.raises(Unavailable):
-        run(pools, relay)
+        run(pools)
     assert pools.prefill_calls == 3
 
 
-def test_a_finished_direct_stream_leaves_the_worker_call_to_return_by_itself():
+def test_a_finished_stream_leaves_the_worker_call_to_return_by_itself():
     pools = FakePools(decode_plan=["ok"])
-    assert tokens(run(pools, "direct")) == [7, 8, 9]
+    chunks, released = asyncio.run(run_async(pools))
+    assert tokens(chunks) == [7, 8, 9] and released == []  # the decode worker released it
     (call,) = pools.worker_calls
     assert not call.cancelled() and call.exception() is None
 
 
-def test_a_direct_stream_the_client_leaves_cancels_the_worker_call():
+def test_a_stream_the_client_leaves_cancels_the_worker_call_and_gives_back_the_lease():
     pools = FakePools(decode_plan=["ok"])
-    assert tokens(run(pools, "direct", take=2)) == [7, 8]
+    chunks, released = asyncio.run(run_async(pools, take=2))
+    assert tokens(chunks) == [7, 8] and released == ["aborted"]
     (call,) = pools.worker_calls
     assert call.cancelled()
+
+
+def test_a_request_past_its_deadline_fails_and_cancels_the_worker_call():
+    pools = FakePools(decode_plan=["hang"])
+    with pytest.raises(DeadlineExceeded):
+        run(pools, request_timeout_seconds=1.0)
+    (call,) = pools.worker_calls
+    assert call.cancelled()
+
+
+def test_colocated_streams_one_worker_call():
+    pools = FakePools()
+    chunks = run(pools, mode="colocated")
+    assert tokens(chunks) == [7, 8] and pools.prefill_calls == pools.decode_calls == 0
+    last = chunks[-1]
+    assert last.finish_reason == "length" and last.timing.prefill_replica == "c0"
+    assert last.timing.prefill_seconds == pytest.approx(0.01)

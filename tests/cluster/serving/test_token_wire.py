@@ -1,4 +1,4 @@
-"""The direct token stream's frame format: round trips, and every malformed frame refused with
+"""The token stream's frame format: round trips, and every malformed frame refused with
 InvalidArgument before anything is built from it."""
 
 from __future__ import annotations

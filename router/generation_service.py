@@ -1,0 +1,74 @@
+"""The interface the API layers call: `GenerationService`, and the `ServedModel` it describes.
+
+router/grpc_api.py and router/openai_api.py turn their messages into calls of it; `Orchestrator`
+(router/orchestrator.py) implements it, and API tests use doubles. The dependency runs one
+way: the API modules know this interface, never the orchestrator, and the orchestrator imports
+no API module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from cluster.request import Request
+from cluster.sampling_params import SamplingParams
+from router.generation_chunk import GenerationChunk
+
+if TYPE_CHECKING:
+    from router.pool_status import ClusterStats
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model this app serves, as `GetModelInfo` and `GET /v1/models` describe it."""
+
+    name: str  # the checkpoint directory's name
+    model_id: str
+    max_context_length: int
+    vocab_size: int
+    dtype: str
+    block_size: int
+    mode: str  # "disaggregated" or "colocated"
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """What a request may call the model: its name or its id."""
+        return (self.name, self.model_id)
+
+
+class GenerationService(Protocol):
+    model: ServedModel
+
+    def sampling_params(self, max_tokens: int | None = None, **fields: Any) -> SamplingParams:
+        """The request's sampling parameters, server defaults filled in for fields left None."""
+        ...
+
+    def build_request(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> Request:
+        """Hop 1: tokenize and validate. Raises InvalidArgument (naming the field)."""
+        ...
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Chat messages rendered with the model's chat template, tokenized."""
+        ...
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (for logprobs)."""
+        ...
+
+    def generate(self, request: Request) -> AsyncIterator[GenerationChunk]:
+        """Hops 2-5: the request's chunks, the last one with its finish reason. A refused
+        request raises a PdServeError before the first chunk. Whoever opens the iterator closes
+        it (`aclose`) on every exit: closing it early aborts the request and frees its KV."""
+        ...
+
+    async def stats(self) -> ClusterStats:
+        """Every pool's size and load and every engine replica's stats (`GetStats`)."""
+        ...

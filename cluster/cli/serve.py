@@ -49,7 +49,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="send a prompt back to the replica whose prefix cache holds its start (default); "
         "--no-prefix-affinity: Serve's power of two choices",
     )
-    scale = p.add_argument_group("autoscaling (a pool autoscales when its max > its min)")
+    scale = p.add_argument_group(
+        "autoscaling (a pool autoscales once either of its bounds is given)"
+    )
     for pool in ("prefill", "decode"):
         scale.add_argument(f"--{pool}-min-replicas", type=int, default=None)
         scale.add_argument(f"--{pool}-max-replicas", type=int, default=None)

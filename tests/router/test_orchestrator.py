@@ -14,8 +14,7 @@ from cluster.config import ModelConfig
 from cluster.engine.kv_cache import KVLayout
 from cluster.errors import DeadlineExceeded, Unavailable
 from cluster.kv_transfer.kv_handle import KVHandle
-from cluster.model.decoder import ArchSpec
-from cluster.model.loader import ModelInfo
+from cluster.model.info import ArchSpec, ModelInfo
 from cluster.request import StepOutput
 from cluster.sampling_params import SamplingParams
 from cluster.serving.app_config import AppConfig

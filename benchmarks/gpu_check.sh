@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's GPU checks in one run, for a machine with one CUDA GPU:
-#   1. the `gpu`-marked tests (CUDA engine vs the transformers oracle in fp32 and bf16, KV export
-#      and import on the GPU, gRPC and gloo KV transfer between GPU engines);
+#   1. the `gpu`-marked tests, found by their marker (CUDA engine vs the transformers oracle in
+#      fp32 and bf16, KV export and import on the GPU, gRPC and gloo KV transfer between GPU
+#      engines);
 #   2. the engine benchmark on the GPU (bf16, then fp32 at batches 1 and 32);
 #   3. the serving benchmark with every engine replica on the GPU (needs Ray; skipped if absent);
 #   4. the serving benchmark on the machine's CPUs (fp32, 4 torch threads per engine and for the
@@ -9,7 +10,10 @@
 #      engine does not take every core, with enough pairs for the confidence interval to decide
 #      the <= 1 ms target (5 pairs on 2026-11-30 gave +1.19 ms, runs -2.2..+3.8).
 # Each stage has its own time limit and the script goes on after a failure; the exit status is
-# the number of failed stages. Reports and logs land in $OUT (default ./gpu-results).
+# the number of failed stages. Stage reports and logs land in $OUT (default ./gpu-results), and
+# $OUT/README.md puts them together in one report (date, commit, machine, each stage's exit
+# status and report): copy it to benchmarks/results/gpu/README.md, the current GPU report.
+# Without a .git (a `git archive` copy), set PDSERVE_COMMIT to the commit under test.
 #
 #   bash benchmarks/gpu_check.sh                 # everything
 #   GPU_CHECK_STAGES="tests engine" bash benchmarks/gpu_check.sh
@@ -68,9 +72,11 @@ grpc.__version__, "protobuf", p.__version__)' 2>&1 | tee -a "$OUT/machine.txt"
 fi
 
 # The ini's warning filters name pydantic, which a machine without Ray may lack.
+# Only the files with `gpu`-marked tests: collecting every test would import Ray.
+gpu_tests=$(grep -rl --include='test_*.py' 'mark\.gpu' tests | sort)
+# shellcheck disable=SC2086
 stage tests 150 "$PY" -m pytest -q -p no:cacheprovider -o filterwarnings=ignore::DeprecationWarning \
-    -m gpu -rs tests/cluster/engine/test_engine_oracle.py tests/cluster/engine/test_engine_bf16.py \
-    tests/prefill_worker/test_kv_server.py tests/prefill_worker/test_direct_transport.py
+    -m gpu -rs $gpu_tests
 
 stage engine 150 sh -c "$PY -m benchmarks.engine_bench --device cuda --dtype bfloat16 \
     --repeats 2 --out $OUT/engine-gpu-bf16.md && $PY -m benchmarks.engine_bench \
@@ -78,13 +84,41 @@ stage engine 150 sh -c "$PY -m benchmarks.engine_bench --device cuda --dtype bfl
 
 if "$PY" -c 'import ray.serve' 2>/dev/null; then
     stage serving-gpu 120 "$PY" -m benchmarks.serving_bench --device cuda \
-        --dtype bfloat16 --repeats 5 --no-serve-relay --no-colocated \
+        --dtype bfloat16 --repeats 5 --no-colocated \
         --out "$OUT/serving-gpu-bf16.md"
     stage serving-cpu 330 "$PY" -m benchmarks.serving_bench --threads 4 --repeats 41 \
-        --no-serve-relay --no-colocated --out "$OUT/serving-cpu-fp32.md"
+        --no-colocated --out "$OUT/serving-cpu-fp32.md"
 else
     echo "== serving stages skipped: Ray Serve is not importable" | tee "$OUT/serving.log"
 fi
 
 echo "== failed stages: $failed"
+
+{  # the one report of this run
+    echo "# GPU check"
+    echo
+    echo "- date: $(date -u +%FT%TZ)"
+    echo "- commit: ${PDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+    echo "- stages: $STAGES; failed: $failed"
+    echo
+    echo '## Machine'
+    echo
+    sed 's/^/    /' "$OUT/machine.txt"
+    for log in "$OUT"/*.log; do
+        [ -f "$log" ] || continue
+        echo
+        echo "## $(basename "$log" .log): last lines of the log"
+        echo
+        tail -n 15 "$log" | sed 's/^/    /'
+    done
+    for report in "$OUT"/*.md; do
+        case $report in */README.md) continue ;; esac
+        [ -f "$report" ] || continue
+        echo
+        echo "## $(basename "$report" .md)"
+        echo
+        sed 's/^#/###/' "$report"
+    done
+} >"$OUT/README.md"
+echo "== report: $OUT/README.md"
 exit "$failed"

@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from benchmarks import engine_bench as bench
+from benchmarks.options import common_parser, model_dir, with_threads
+from benchmarks.report import header, publish
 from cluster.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.engine.engine import Engine
 from cluster.request import Request
@@ -59,19 +60,19 @@ def mean_step_ms(engine: Engine, tokens: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = bench.common_parser(__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = common_parser(__doc__, "interference")
     p.add_argument("--busy-ms", type=float, default=3.4, help="Python work per period")
     p.add_argument("--period-ms", type=float, default=66.0, help="about one decode step")
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--rounds", type=int, default=4)
     p.set_defaults(threads=1)
     a = p.parse_args(argv)
-    return bench.publish(bench.with_threads(a.threads, lambda: measure(a, argv)), a.out)
+    return publish(with_threads(a.threads, lambda: measure(a, argv)), a.out)
 
 
-def measure(a, argv: list[str] | None) -> str:
-    path = a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset))
-    engine = Engine(EngineConfig(ModelConfig(str(path)), CacheConfig(num_blocks=64)))
+def measure(a, argv: list[str]) -> str:
+    engine = Engine(EngineConfig(ModelConfig(str(model_dir(a))), CacheConfig(num_blocks=64)))
     busy, rest = a.busy_ms / 1e3, (a.period_ms - a.busy_ms) / 1e3
     mean_step_ms(engine, a.tokens)  # warm-up
 
@@ -115,10 +116,7 @@ def measure(a, argv: list[str] | None) -> str:
             results[name].append(case())
     base = statistics.median(results["alone"])
     lines = [
-        "## Decode step beside other Python work",
-        "",
-        bench.machine_line(),
-        f"- command: `python -m benchmarks.interference_bench {' '.join(argv or sys.argv[1:])}`",
+        *header("Decode step beside other Python work", "interference_bench", argv),
         f"- `{a.preset}` preset, fp32, batch 1, {a.tokens} greedy tokens, {torch.get_num_threads()}"
         f" torch thread(s); the busy work runs {a.busy_ms} ms of every {a.period_ms} ms; "
         f"medians of {a.rounds} interleaved rounds",

@@ -15,12 +15,12 @@ import argparse
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks import engine_bench as bench
+from benchmarks.options import common_parser, model_dir, with_threads
+from benchmarks.report import header, publish
 from cluster.config import ModelConfig
 from cluster.model.linear import PACKED_ROWS, Linear, pack_linears
 from cluster.model.loader import load_model
@@ -34,17 +34,17 @@ def _resident_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = bench.common_parser(__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = common_parser(__doc__, "linear")
     p.add_argument("--rows", default=DEFAULT_ROWS)
     p.add_argument("--repeats", type=int, default=9)
     a = p.parse_args(argv)
-    return bench.publish(bench.with_threads(a.threads, lambda: measure(a, argv)), a.out)
+    return publish(with_threads(a.threads, lambda: measure(a, argv)), a.out)
 
 
-def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
-    path = a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset))
+def measure(a: argparse.Namespace, argv: list[str]) -> str:
     before = _resident_bytes()
-    model = load_model(ModelConfig(str(path), packed_weights=False)).model
+    model = load_model(ModelConfig(str(model_dir(a)), packed_weights=False)).model
     plain_bytes = _resident_bytes() - before
     before = _resident_bytes()
     if pack_linears(model) == 0:
@@ -52,11 +52,8 @@ def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
     packed_bytes = _resident_bytes() - before
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     lines = [
-        "## Plain vs packed fp32 linear layers",
-        "",
-        f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}",
-        bench.machine_line(),
-        f"- command: `python -m benchmarks.linear_bench {' '.join(argv or sys.argv[1:])}`",
+        *header("Plain vs packed fp32 linear layers", "linear_bench", argv),
+        f"- {torch.get_num_threads()} torch thread(s)",
         f"- model: `{a.preset}` preset, {len(layers)} linear layers; resident memory of the "
         f"loaded model {plain_bytes / 1e6:.0f} MB, of the packed copies "
         f"{packed_bytes / 1e6:.0f} MB",

@@ -17,9 +17,11 @@ import random
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 
-from benchmarks import engine_bench as bench
+import torch
+
+from benchmarks.options import common_parser, model_dir, with_threads
+from benchmarks.report import header, publish
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.engine import Engine
 from cluster.request import Request
@@ -41,16 +43,17 @@ def run(engine: Engine, prompts: list[list[int]]) -> tuple[list[float], list[int
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = bench.common_parser(__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = common_parser(__doc__, "prefix")
     p.add_argument("--prefix", type=int, default=512, help="shared prefix tokens")
     p.add_argument("--suffix", type=int, default=32, help="distinct tokens per request")
     p.add_argument("--requests", type=int, default=6)
     a = p.parse_args(argv)
-    return bench.publish(bench.with_threads(a.threads, lambda: measure(a, argv)), a.out)
+    return publish(with_threads(a.threads, lambda: measure(a, argv)), a.out)
 
 
-def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
-    path = a.model_dir or bench.ensure_model(a.preset, bench.default_model_dir(a.preset))
+def measure(a: argparse.Namespace, argv: list[str]) -> str:
+    path = model_dir(a)
     rng = random.Random(0)
     shared = [rng.randrange(16, 1000) for _ in range(a.prefix)]
     prompts = [
@@ -72,11 +75,8 @@ def measure(a: argparse.Namespace, argv: list[str] | None) -> str:
     on, off = results[True], results[False]
     med_on, med_off = (statistics.median(r[0][1:]) * 1e3 for r in (on, off))
     lines = [
-        "## Prefix caching: time to first token with a shared prefix",
-        "",
-        f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}",
-        bench.machine_line(),
-        f"- command: `python -m benchmarks.prefix_bench {' '.join(argv or sys.argv[1:])}`",
+        *header("Prefix caching: time to first token with a shared prefix", "prefix_bench", argv),
+        f"- {torch.get_num_threads()} torch thread(s)",
         f"- model: `{a.preset}` preset, fp32 on the CPU; {a.requests} requests in turn, each "
         f"{a.prefix} shared + {a.suffix} own prompt tokens, 1 output token; block size 16",
         "",

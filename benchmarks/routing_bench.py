@@ -22,33 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 
-import grpc
-
-from benchmarks import engine_bench as bench
-from benchmarks.serving_bench import (
-    Stream,
-    deployed,
-    log,
-    measure_served,
-    served_generate,
-    served_parser,
-    wait_ready,
-)
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
-from cluster.pb.pdserve.v1 import generation_pb2 as pb
-from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from benchmarks.grpc_calls import Stream, served_generate, stub, used_blocks, wait_ready
+from benchmarks.options import served_parser
+from benchmarks.report import header, log, publish
+from benchmarks.serve_session import deployed, measure_served, small_pool
+from cluster.config import ModelConfig
 from cluster.serving.app_config import AppConfig, PoolConfig
 
 APPS = {"prefix affinity": "route-affinity", "Serve's default (power of two)": "route-pow2"}
@@ -74,17 +60,6 @@ class Served:
         self.replica.append(s.last.timing.prefill_replica)
         self.tenant.append(tenant)
         self.tokens.append(s.token_ids)
-
-
-def small_pool(num_blocks: int, max_num_seqs: int) -> PoolConfig:
-    """A pool for these benchmarks on a few cores: one torch thread an engine, a quarter CPU
-    a replica for Ray's accounting, 16-token KV blocks, prefill chunks of 512 tokens."""
-    return PoolConfig(
-        num_cpus=0.25,
-        torch_threads=1,
-        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
-    )
 
 
 def app_config(a: argparse.Namespace, model_dir: str, affinity: bool, name: str) -> AppConfig:
@@ -113,17 +88,17 @@ def prompts(a: argparse.Namespace, vocab: int) -> list[tuple[int, list[int]]]:
 
 
 def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> dict[str, Served]:
-    stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+    proxy = stub(grpc_port)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     results = {label: Served() for label in APPS}
     configs = [app_config(a, model_dir, label == "prefix affinity", n) for label, n in APPS.items()]
     with deployed(configs):
         warm = random.Random(a.seed + 1)
         for name in APPS.values():  # every replica's first-call costs, outside the numbers
-            wait_ready(stub, name, [warm.randrange(16, vocab) for _ in range(a.prefix)])
+            wait_ready(proxy, name, [warm.randrange(16, vocab) for _ in range(a.prefix)])
             for _ in range(6):
                 prompt = [warm.randrange(16, vocab) for _ in range(a.prefix + a.suffix)]
-                served_generate(stub, name, prompt, OUTPUT_TOKENS)
+                served_generate(proxy, name, prompt, OUTPUT_TOKENS)
         work = prompts(a, vocab)
         # Request i of each app in the order (A, B) or (B, A), alternating; `--clients` threads
         # take them in that order, so each app has about half of them in flight.
@@ -133,7 +108,9 @@ def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> dict[str, 
             for label, name in list(APPS.items())[:: 1 if i % 2 else -1]
         ]
         with ThreadPoolExecutor(a.clients) as clients:
-            streams = clients.map(lambda c: served_generate(stub, c[1], c[3], OUTPUT_TOKENS), calls)
+            streams = clients.map(
+                lambda c: served_generate(proxy, c[1], c[3], OUTPUT_TOKENS), calls
+            )
             for k, ((label, _, tenant, _), s) in enumerate(zip(calls, streams, strict=True)):
                 results[label].add(tenant, s)
                 if k % 2:
@@ -142,30 +119,16 @@ def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> dict[str, 
                         + ", ".join(f"{lb} cached {r.cached[-1]}" for lb, r in results.items())
                     )
         for label, name in APPS.items():
-            results[label].used_blocks_after = used_blocks(stub, name)
+            results[label].used_blocks_after = used_blocks(proxy, name)
     return results
-
-
-def used_blocks(stub, app: str, timeout_s: float = 30.0) -> int:
-    """KV blocks in use or leased over the app's replicas, once they settle (or at timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = stub.GetStats(pb.GetStatsRequest(), metadata=(("application", app),))
-        used = sum(r.kv_blocks_used + r.kv_blocks_leased for r in stats.replicas)
-        if not used or time.monotonic() > deadline:
-            return used
-        time.sleep(0.5)
 
 
 def render(a: argparse.Namespace, argv: list[str], res: dict[str, Served], wall_s: float) -> str:
     first = a.tenants  # requests of the first round
     full = (a.prefix // 16) * 16  # a prefix's tokens in full blocks
     lines = [
-        "# pdserve prefix-affinity routing benchmark",
-        "",
-        f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}; wall time {wall_s:.0f} s",
-        f"- machine: {os.cpu_count()} CPUs ({bench.cpu_model()}), {platform.platform()}",
-        f"- command: `python -m benchmarks.routing_bench {' '.join(argv)}`".rstrip(),
+        *header("pdserve prefix-affinity routing benchmark", "routing_bench", argv),
+        f"- wall time {wall_s:.0f} s",
         f"- workload: {a.tenants} prefixes of {a.prefix} tokens, each + {a.suffix} tokens of "
         f"its own, {a.rounds} rounds, {_clients(a.clients)}, {OUTPUT_TOKENS} output tokens; "
         f"2 prefill replicas with {a.num_blocks} KV blocks of 16 tokens each "
@@ -231,7 +194,7 @@ def _clients(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = served_parser(__doc__)
+    p = served_parser(__doc__, "routing")
     p.add_argument("--tenants", type=int, default=12, help="distinct shared prefixes")
     p.add_argument("--prefix", type=int, default=256, help="tokens of each shared prefix")
     p.add_argument("--suffix", type=int, default=16, help="tokens of each request's own")
@@ -259,7 +222,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     a = p.parse_args(argv)
     res, wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
-    return bench.publish(render(a, argv, res, wall_s), a.out)
+    return publish(render(a, argv, res, wall_s), a.out)
 
 
 if __name__ == "__main__":

@@ -22,33 +22,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import sys
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
-from pathlib import Path
 
-import grpc
-
-from benchmarks import engine_bench as bench
-from benchmarks.routing_bench import small_pool, used_blocks
-from benchmarks.serving_bench import (
-    deployed,
-    log,
-    measure_served,
-    served_parser,
-    wait_ready,
-)
+from benchmarks.grpc_calls import stub, used_blocks, wait_ready
+from benchmarks.options import served_parser
+from benchmarks.report import REPO, header, log, publish
+from benchmarks.serve_session import deployed, kv_transport, measure_served, small_pool
 from cluster.client.bench_summary import PERCENTILES, BenchSummary
 from cluster.client.load_generator import RequestRecord, model_info, run_workload
 from cluster.client.workload import TraceScale, Workload, load_trace, trace_workload
 from cluster.config import ModelConfig
-from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.serving.app_config import AppConfig
 
 APPS = {"disaggregated": "trace-pd", "colocated": "trace-co"}
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
+# Beside the checkout (`../shared/traces/`), where the project keeps its shared data.
+SHARED_TRACE = REPO.parent / "shared/traces/mooncake_synthetic_trace.jsonl"
 
 
 @dataclass
@@ -56,6 +45,13 @@ class Replay:
     records: list[RequestRecord]
     summary: BenchSummary
     used_blocks_after: int
+
+
+@dataclass
+class TraceRun:
+    work: Workload
+    replays: dict[str, Replay]  # mode -> its replay
+    kv_transport: str  # the disaggregated app's
 
 
 def app_config(a: argparse.Namespace, model_dir: str, mode: str, name: str) -> AppConfig:
@@ -77,36 +73,35 @@ def workload(a: argparse.Namespace, info) -> Workload:
     return trace_workload(entries, scale, info.vocab_size, info.max_context_length, a.seed)
 
 
-def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> tuple[Workload, dict]:
+def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> TraceRun:
     target = f"127.0.0.1:{grpc_port}"
-    stub = pb_grpc.GenerationStub(grpc.insecure_channel(target))
+    proxy = stub(grpc_port)
+    configs = [app_config(a, model_dir, mode, name) for mode, name in APPS.items()]
     results: dict[str, Replay] = {}
-    with deployed([app_config(a, model_dir, mode, name) for mode, name in APPS.items()]):
+    with deployed(configs):
         for name in APPS.values():
-            wait_ready(stub, name, list(range(16, 48)))
+            wait_ready(proxy, name, list(range(16, 48)))
         info = asyncio.run(model_info(target, APPS["disaggregated"]))
         work = workload(a, info)
         for mode, name in APPS.items():
             log(f"replaying {len(work.requests)} requests on {name}")
             records = asyncio.run(run_workload(target, work, name, timeout_s=a.timeout))
-            results[mode] = Replay(records, BenchSummary.of(records), used_blocks(stub, name))
-    return work, results
+            results[mode] = Replay(records, BenchSummary.of(records), used_blocks(proxy, name))
+    return TraceRun(work, results, kv_transport(configs[0]))
 
 
-def render(a: argparse.Namespace, argv: list[str], work: Workload, res: dict, wall_s: float):
+def render(a: argparse.Namespace, argv: list[str], run: TraceRun, wall_s: float) -> str:
+    work, res = run.work, run.replays
     pd, co = res["disaggregated"].summary, res["colocated"].summary
     lines = [
-        "# pdserve trace replay: disaggregated against colocated",
-        "",
-        f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}; wall time {wall_s:.0f} s",
-        f"- machine: {os.cpu_count()} CPUs ({bench.cpu_model()}), {platform.platform()}",
-        f"- command: `python -m benchmarks.trace_bench {' '.join(argv)}`".rstrip(),
+        *header("pdserve trace replay: disaggregated against colocated", "trace_bench", argv),
+        f"- wall time {wall_s:.0f} s",
         f"- trace: {a.trace}, requests {a.skip}-{a.skip + len(work.requests) - 1}; "
         f"{work.description}; seed {a.seed}; "
         f"{sum(r.clipped for r in work.requests)} prompts cut to fit the context",
         f"- apps: disaggregated 1 prefill + 1 decode replica, colocated 2 replicas; one torch "
-        f"thread per engine, {a.num_blocks} KV blocks of 16 tokens per replica; sent to "
-        "disaggregated first, then colocated",
+        f"thread per engine, {a.num_blocks} KV blocks of 16 tokens per replica, KV transport "
+        f"{run.kv_transport}; sent to disaggregated first, then colocated",
         "",
         "| | disaggregated | colocated | disaggregated / colocated |",
         "|---|---|---|---|",
@@ -145,7 +140,7 @@ def render(a: argparse.Namespace, argv: list[str], work: Workload, res: dict, wa
 
 def main(argv: list[str] | None = None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = served_parser(__doc__)
+    p = served_parser(__doc__, "trace")
     p.add_argument("--trace", default=str(SHARED_TRACE), help="Mooncake-format JSONL trace")
     p.add_argument("--skip", type=int, default=3800, help="start after this many requests")
     p.add_argument("--max-requests", type=int, default=60)
@@ -156,8 +151,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     a = p.parse_args(argv)
-    (work, res), wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
-    return bench.publish(render(a, argv, work, res, wall_s), a.out)
+    run, wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
+    return publish(render(a, argv, run, wall_s), a.out)
 
 
 if __name__ == "__main__":

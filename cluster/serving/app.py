@@ -4,13 +4,15 @@
 `serve run`/`serve deploy` config file (`import_path: cluster.serving.app:build_app`) and from
 the CLI.
 The role classes are named by import path, like Serve config files name them, so `cluster`
-stays free of imports of the role packages.
+stays free of imports of the role packages. `compose_app` lets a Python caller substitute some
+of them (the benchmarks deploy subclasses with timing probes, `benchmarks/probed_replicas.py`).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ray import serve
@@ -60,13 +62,25 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Serve builder. `args` is an `AppConfig` or its dict form (`AppConfig.to_dict()`);
     without a model path the embedded tiny model is used."""
     config = args if isinstance(args, AppConfig) else _config_from_args(dict(args or {}))
+    return compose_app(config)
+
+
+def compose_app(config: AppConfig, role_classes: Mapping[str, str] | None = None) -> Application:
+    """The app of `config`, for Python callers. `role_classes` replaces some entries of
+    `ROLE_CLASSES` (same keys, "module:Class" import paths): a subclass of the role's class
+    that keeps its constructor, deployed under the role's name. Serve wants a builder of one
+    parameter, hence this second function."""
+    unknown = set(role_classes or {}) - set(ROLE_CLASSES)
+    if unknown:
+        raise ValueError(f"no such roles: {sorted(unknown)}; roles: {sorted(ROLE_CLASSES)}")
+    roles = {**ROLE_CLASSES, **(role_classes or {})}
     config = config.resolved()
-    router = _deployment("Router", config.router)
+    router = _deployment("Router", roles["Router"], config.router)
     if config.mode == "colocated":
-        colocated = _deployment("Colocated", config.decode).bind(config)
+        colocated = _deployment("Colocated", roles["Colocated"], config.decode).bind(config)
         return router.bind(config, None, None, colocated)
-    prefill = _deployment("Prefill", config.prefill).bind(config)
-    decode = _deployment("Decode", config.decode).bind(config)
+    prefill = _deployment("Prefill", roles["Prefill"], config.prefill).bind(config)
+    decode = _deployment("Decode", roles["Decode"], config.decode).bind(config)
     return router.bind(config, prefill, decode, None)
 
 
@@ -80,8 +94,8 @@ def _config_from_args(args: dict[str, Any]) -> AppConfig:
     return AppConfig.from_dict(args)
 
 
-def _deployment(name: str, pool: PoolConfig):
-    module, _, attr = ROLE_CLASSES[name].partition(":")
+def _deployment(name: str, import_path: str, pool: PoolConfig):
+    module, _, attr = import_path.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     size = (
         {"autoscaling_config": pool.autoscaling.serve_config()}

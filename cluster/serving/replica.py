@@ -16,8 +16,6 @@ import torch
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
-from cluster.engine.engine_timing import timed_decode
-from cluster.errors import InvalidArgument, Unavailable
 from cluster.serving.app_config import AppConfig
 from cluster.serving.cpu_affinity import engine_cores, format_cpu_list, thread_cpus
 from cluster.serving.metrics import PoolMetrics
@@ -26,7 +24,6 @@ from cluster.serving.stats_registry import registry
 
 log = logging.getLogger(__name__)
 REPORT_INTERVAL_S = 1.0
-MAX_TIMED_TOKENS = 4096
 
 
 def replica_id() -> str:
@@ -60,7 +57,7 @@ class EngineReplica:
             self.engine.start()
         if cores:
             log.info("%s engine thread pinned to cores %s", pool, format_cpu_list(cores))
-        self.layout = self.engine.engine.layout
+        self.layout = self.engine.layout
         self.metrics = PoolMetrics(pool)
         self.registry = registry(config.name)
         self.last_stats: ReplicaStats | None = None
@@ -73,7 +70,7 @@ class EngineReplica:
             replica_id=self.replica_id,
             kv_blocks_total=s.kv_blocks_total,
             kv_blocks_used=s.kv_blocks_used,
-            kv_blocks_leased=s.kv_blocks_held,
+            kv_blocks_leased=s.kv_blocks_leased,
             kv_blocks_cached=s.kv_blocks_cached,
             running=s.running,
             waiting=s.waiting,
@@ -94,33 +91,10 @@ class EngineReplica:
             "kv_usage": s.kv_blocks_used / max(1, s.kv_blocks_total),
         }
 
-    async def time_decode(self, prompt_token_ids: list[int], max_tokens: int) -> list[float]:
-        """This replica's engine alone: one batch-1 greedy generation (ignore_eos) stepped in
-        a plain loop on the engine thread, with no Serve, token stream or gRPC on its path;
-        [seconds, engine-thread CPU seconds] per output token over tokens 2..N. The serving
-        benchmark's reference (same weights in the same memory as the served runs). Other
-        requests wait while it runs, so a replica with work refuses it (UNAVAILABLE)."""
-        if not 3 <= max_tokens <= MAX_TIMED_TOKENS:
-            raise InvalidArgument(f"max_tokens must be in 3..{MAX_TIMED_TOKENS}")
-
-        def run(engine: Engine) -> list[float]:
-            if engine.has_work():
-                raise Unavailable("the engine has requests; time_decode needs an idle replica")
-            return list(timed_decode(engine, list(prompt_token_ids), max_tokens))
-
-        return await self.engine.call(run)
-
-    async def engine_thread_id(self) -> int:
-        """The engine thread's OS thread id, for readings of /proc/PID/task/TID on this node
-        (the serving benchmark's scheduler accounting of served runs)."""
-        return self.engine.native_id
-
-    async def engine_cpu(self) -> list[float]:
-        """[all, inside `Engine.step`] CPU seconds of the engine thread since it started."""
-        return list(self.engine.cpu_seconds())
-
     async def cpu_affinity(self) -> dict[str, list[int]]:
-        """The cores the engine thread and this replica's other threads may run on."""
+        """The cores the engine thread and this replica's other threads may run on: an
+        operator's check, through a Serve handle, of where `PoolConfig.engine_cpus` put them
+        (the benchmarks' timing probes live in `benchmarks/probed_replicas.py`)."""
         return {
             "engine": list(thread_cpus(self.engine.native_id)),
             "replica": list(thread_cpus(threading.get_native_id())),

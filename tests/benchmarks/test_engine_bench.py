@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from benchmarks import engine_bench
+from benchmarks.engine_systems import SYSTEMS
 from cluster.model.make_model import make_model
 
 
@@ -25,7 +26,7 @@ def test_quick_run_reports_every_row(tmp_path: Path) -> None:
             rows[(m[1], int(m[2]))] = [float(c) for c in cells]
     assert set(rows) == {(kind, b) for kind in ("decode", "prefill") for b in (1, 2)}
     for cells in rows.values():
-        assert len(cells) == len(engine_bench.SYSTEMS) + 1  # systems plus the ratio
+        assert len(cells) == len(SYSTEMS) + 1  # systems plus the ratio
         assert all(c > 0 for c in cells)
     assert re.search(r"Target batch-1 decode step .*: (PASS|FAIL)$", report, re.M)
     assert "Copy bandwidth:" in report

@@ -18,6 +18,7 @@ def test_quick_run_reports_every_row_count(tmp_path: Path) -> None:
     model_dir = make_model("tiny", tmp_path / "tiny", seed=0)
     report = linear_bench.main(
         ["--model-dir", str(model_dir), "--rows", "1,8,200", "--repeats", "2", "--threads", "1"]
+        + ["--out", str(tmp_path / "report.md")]
     )
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", report, re.M)
     assert [int(r[0]) for r in rows] == [1, 8, 200]

@@ -13,10 +13,11 @@ from tests.benchmarks.bench_report import cells
 
 
 def test_small_run_caches_every_repeat_with_affinity_and_leaks_nothing(
-    ray_serve, tokenizer_model_dir
+    ray_serve, tokenizer_model_dir, tmp_path
 ):
     args = ["--model-dir", str(tokenizer_model_dir), "--tenants", "4", "--prefix", "48"]
     args += ["--suffix", "4", "--rounds", "3", "--num-blocks", "64", "--routers", "2"]
+    args += ["--out", str(tmp_path / "report.md")]
     report = routing_bench.main([*args, "--grpc-port", str(ray_serve.grpc_port)])
 
     affinity, _ = cells(report, "repeats (rounds 2-3) with their whole prefix cached")

@@ -18,7 +18,7 @@ def test_small_replay_serves_everything_alike_and_leaks_nothing(
 ):
     trace = write_trace(tmp_path / "trace.jsonl", SHARED_PREFIX_TRACE)
     args = ["--model-dir", str(tokenizer_model_dir), "--trace", str(trace), "--skip", "0"]
-    args += ["--time-scale", "1", "--num-blocks", "128"]
+    args += ["--time-scale", "1", "--num-blocks", "128", "--out", str(tmp_path / "report.md")]
     report = trace_bench.main([*args, "--grpc-port", str(ray_serve.grpc_port)])
 
     assert cells(report, "requests completed")[:2] == ["6", "6"], report

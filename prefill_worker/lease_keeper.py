@@ -1,11 +1,16 @@
 """`LeaseKeeper`: how long a prefilled prompt's KV blocks stay pinned, and who may read them.
 
 Contract. `grant` puts a lease on a request the engine holds (finish reason "prefilled") and
-mints its capability token. The blocks stay pinned until exactly one of:
+mints its capability token; a `grant` cancelled before it returns frees the held prompt instead
+(its caller is gone, so nobody would ever release it). The blocks stay pinned until exactly one
+of:
   (a) `release(rid, "fetched")` - the decode worker holds the data;
-  (b) `release(rid, "aborted")` - the router gave up on the request;
-  (c) the lease expires (`expire_now`, run every interval by the expiry task).
-Then the keeper counts the reason and frees them on the engine thread (`Engine.release`);
+  (b) `release(rid, "cancelled")` - the request was cancelled (the client left, or its
+      deadline passed) before the decode worker fetched it;
+  (c) `release(rid, "aborted")` - the router gave up on the request (a failed decode hop);
+  (d) the lease expires (`expire_now`, run every interval by the expiry task): the last
+      resort, for a release that never came.
+Then the keeper counts the reason (`ended`) and frees them on the engine thread (`Engine.release`);
 `release` returns once the lease is ended, without waiting for the engine thread to get to
 the free (a busy engine is between steps only now and then), and `outstanding` / `drain`
 count the lease until its blocks are free. A fetch brackets its reads with `begin_fetch` /
@@ -24,7 +29,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from cluster.engine.async_engine import AsyncEngine
@@ -32,6 +37,8 @@ from cluster.errors import InvalidArgument, NotFound, Unauthenticated
 from cluster.kv_transfer.capability import Capability
 
 log = logging.getLogger(__name__)
+
+RELEASE_REASONS = ("fetched", "cancelled", "aborted")
 
 
 @dataclass
@@ -59,9 +66,7 @@ class LeaseKeeper:
         self.capability = capability
         self.clock = clock
         self.granted = 0
-        self.fetched = 0
-        self.expired = 0
-        self.aborted = 0
+        self.ended = dict.fromkeys((*RELEASE_REASONS, "expired"), 0)  # leases ended, by reason
         self._leases: dict[str, _Lease] = {}
         self._frees: set[asyncio.Task] = set()
         self._expiry_task: asyncio.Task | None = None
@@ -72,10 +77,15 @@ class LeaseKeeper:
 
     async def grant(self, request_id: str) -> tuple[list[int], int, float, bytes]:
         """Lease the held KV of `request_id`: (block ids, num tokens, expiry, token).
-        NotFound if the engine holds no KV for it; InvalidArgument if it is leased already."""
+        NotFound if the engine holds no KV for it; InvalidArgument if it is leased already.
+        Cancelled, it frees the held KV (in the background) instead of leasing it."""
         if request_id in self._leases:
             raise InvalidArgument(f"request {request_id!r} is already leased", param="request_id")
-        block_ids, num_tokens = await self.engine.call(lambda e: e.held_blocks(request_id))
+        try:
+            block_ids, num_tokens = await self.engine.call(lambda e: e.held_blocks(request_id))
+        except asyncio.CancelledError:
+            self._track(self.engine.call(lambda e: e.release(request_id)))
+            raise
         if request_id in self._leases:
             raise InvalidArgument(f"request {request_id!r} is already leased", param="request_id")
         expiry = self.clock() + self.lease_seconds
@@ -113,11 +123,13 @@ class LeaseKeeper:
     # -- ending leases ---------------------------------------------------------------------
 
     async def release(self, request_id: str, reason: str, token: bytes | None = None) -> bool:
-        """End a lease ("fetched" or "aborted"). True if this call ended a live lease; False
-        if there was none. With `token`, a wrong one raises Unauthenticated. Idempotent. The
-        blocks are freed in the background, at once or when the fetch in flight ends."""
-        if reason not in ("fetched", "aborted"):
-            raise InvalidArgument(f"release reason must be fetched or aborted, got {reason!r}")
+        """End a lease (a reason of RELEASE_REASONS). True if this call ended a live lease;
+        False if there was none. With `token`, a wrong one raises Unauthenticated. Idempotent.
+        The blocks are freed in the background, at once or when the fetch in flight ends."""
+        if reason not in RELEASE_REASONS:
+            raise InvalidArgument(
+                f"release reason must be one of {', '.join(RELEASE_REASONS)}, got {reason!r}"
+            )
         lease = self._leases.get(request_id)
         if lease is None or lease.freeing is not None:
             return False
@@ -167,17 +179,28 @@ class LeaseKeeper:
     def _end(self, lease: _Lease, reason: str) -> None:
         """Decide a lease's end (once): no fetch may begin after this; counted by reason."""
         lease.freeing = reason
-        if reason == "fetched":
-            self.fetched += 1
-        elif reason == "expired":
-            self.expired += 1
-        else:
-            self.aborted += 1
+        self.ended[reason] += 1
 
     def _free_soon(self, request_id: str, lease: _Lease) -> None:
-        task = asyncio.get_running_loop().create_task(self._free(request_id, lease))
+        self._track(self._free(request_id, lease))
+
+    def _track(self, free: Coroutine) -> None:
+        """Run a free in the background; `stop` waits for it."""
+        task = asyncio.get_running_loop().create_task(free)
         self._frees.add(task)
         task.add_done_callback(self._frees.discard)
+
+    @property
+    def fetched(self) -> int:
+        return self.ended["fetched"]
+
+    @property
+    def aborted(self) -> int:
+        return self.ended["aborted"]
+
+    @property
+    def expired(self) -> int:
+        return self.ended["expired"]
 
     # -- background expiry and shutdown ----------------------------------------------------
 

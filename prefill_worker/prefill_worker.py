@@ -3,7 +3,9 @@
 Requests that reach a replica together are prefilled together: the engine's scheduler packs
 every waiting prompt into the same steps under its token budget (long prompts are chunked).
 Each finished prompt's KV blocks stay pinned under a lease until a decode worker fetches them
-through this replica's KV server, the router aborts, or the lease expires.
+through this replica's KV server, the router releases them (cancelled or aborted), or the lease
+expires. A call cancelled on the way (the router cancels it when its client leaves) frees what
+it holds: queued or prefilling, the engine aborts the prompt; prefilled, it is never leased.
 
 Scale-down is drain-safe: a replica that Serve is removing refuses new prompts (UNAVAILABLE,
 so the router retries on another replica) and waits, up to its graceful shutdown timeout,
@@ -22,7 +24,7 @@ from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.request import Request
 from cluster.serving.app import GRACEFUL_SHUTDOWN_S
 from cluster.serving.app_config import AppConfig
-from cluster.serving.pool_messages import PrefillResult
+from cluster.serving.pool_messages import PrefillResult, ReplicaStats
 from cluster.serving.replica import EngineReplica
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
@@ -49,7 +51,7 @@ class PrefillWorker(EngineReplica):
         )
         self.endpoint = await self.server.start()
         self.draining = False
-        self._expired_reported = 0
+        self._leases_reported: dict[str, int] = {}
 
     async def prefill(self, request: Request) -> PrefillResult:
         """Prefill one prompt. Raises InvalidArgument / ResourceExhausted from admission, and
@@ -69,7 +71,7 @@ class PrefillWorker(EngineReplica):
                 request_id=request.request_id,
                 num_tokens=num_tokens,
                 endpoint=self.endpoint,
-                transport=self.config.transfer.transport,
+                transport=self.server.transport,
                 block_ids=tuple(block_ids),
                 block_size=self.layout.block_size,
                 layout=self.layout,
@@ -88,11 +90,19 @@ class PrefillWorker(EngineReplica):
             prefill_seconds=prefill_seconds,
         )
 
+    async def stats(self) -> ReplicaStats:
+        return replace(await super().stats(), kv_leases_ended=dict(self.leases.ended))
+
     async def _report(self) -> None:
         await super()._report()
-        expired = self.leases.expired
-        self.metrics.inc("pdserve_kv_leases_expired_total", expired - self._expired_reported)
-        self._expired_reported = expired
+        ended = self.last_stats.kv_leases_ended
+        for reason, count in ended.items():
+            new = count - self._leases_reported.get(reason, 0)
+            if reason == "expired":
+                self.metrics.inc("pdserve_kv_leases_expired_total", new)
+            else:
+                self.metrics.inc("pdserve_kv_leases_released_total", new, reason=reason)
+        self._leases_reported = ended
 
     async def __del__(self) -> None:
         self.draining = True

@@ -40,7 +40,8 @@ from cluster.serving.pool_messages import DecodeRequest, PrefillResult, WorkerCh
 from cluster.serving.stats_registry import registry
 from router.generation_chunk import GenerationChunk, Timing, Usage
 from router.generation_service import ServedModel
-from router.pool_status import ClusterStats, pool_statuses
+from router.lease_releases import LeaseReleases
+from router.pool_status import ClusterStats, kv_transport, pool_statuses
 from router.token_stream import TokenStreamServer
 
 
@@ -77,8 +78,8 @@ class Orchestrator:
             block_size=config.prefill.cache.block_size,
             mode=config.mode,
         )
-        self.kv_client = GrpcKVClient(
-            config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds
+        self.leases = LeaseReleases(
+            GrpcKVClient(config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds)
         )
         self._registry = None  # the stats registry actor, looked up on first use
 
@@ -174,56 +175,73 @@ class Orchestrator:
     async def _disaggregated(self, request: Request) -> AsyncIterator[WorkerChunk]:
         """Prefill, then decode. When the decode hop fails before its first token (the lease
         expired, a replica died), the request is prefilled again and the decode retried; the
-        router fixed the seed, so the first token the client already has does not change."""
+        router fixed the seed, so the first token the client already has does not change.
+
+        The router holds a prefilled prompt's lease from the prefill result to the decode
+        worker's first chunk (by then the worker has fetched the KV and released the lease
+        itself): a request that ends in between, cancelled or failed, releases it at once."""
         sent_first = False
         for attempt in range(self.config.max_retries + 1):
             result = await self._prefill(request)
-            if not sent_first:
-                sent_first = True
-                first = result.first
-                if result.handle is not None:  # "prefilled": the request goes on in decode
-                    first = replace(first, finish_reason=None)
-                yield WorkerChunk(
-                    first,
-                    result.replica_id,
-                    queue_seconds=result.queue_seconds,
-                    prefill_seconds=result.prefill_seconds,
-                )
-            if result.handle is None:
-                return
             decoded = False
             try:
+                if not sent_first:
+                    sent_first = True
+                    yield _first_chunk(result)
+                if result.handle is None:
+                    return
                 async with aclosing(self._decode(request, result)) as chunks:
                     async for chunk in chunks:
                         decoded = True
                         yield chunk
                 return
-            except Unavailable:
-                if decoded or attempt == self.config.max_retries:
+            except (asyncio.CancelledError, GeneratorExit):
+                if not decoded:
+                    self.leases.release(result.handle, "cancelled")
+                raise
+            except Exception as e:
+                if not decoded:
+                    self.leases.release(result.handle, "aborted")
+                if decoded or attempt == self.config.max_retries or not isinstance(e, Unavailable):
                     raise
 
     async def _prefill(self, request: Request) -> PrefillResult:
         for attempt in range(self.config.max_retries + 1):
             try:
-                return await _transient_as_unavailable(self.prefill.prefill.remote(request))
+                return await self._prefill_call(request)
             except Unavailable:
                 if attempt == self.config.max_retries:
                     raise
                 await asyncio.sleep(0.05 * 2**attempt)
         raise AssertionError("unreachable")
 
+    async def _prefill_call(self, request: Request) -> PrefillResult:
+        """One call to the prefill pool. Cancelled, it cancels the call itself (Serve passes a
+        cancel on to calls still waiting for a replica, not to those already running), so the
+        replica frees the prompt wherever it is; a result that lands anyway (the replica had
+        finished) has its lease released at once rather than left to expire. One case is left
+        to expiry: the cancel reaching the replica in the moment after `PrefillWorker.prefill`
+        returned, before Serve sent its result back, makes Serve drop the result."""
+        response = self.prefill.prefill.remote(request)
+        call = asyncio.ensure_future(_transient_as_unavailable(response))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(self.leases.release_unclaimed)
+            if not call.done():
+                response.cancel()
+            raise
+
+    async def close(self) -> None:
+        """Let the lease releases on their way go out; close the KV client."""
+        await self.leases.close()
+
     async def _decode(self, request: Request, result: PrefillResult) -> AsyncIterator[WorkerChunk]:
         decode_request = DecodeRequest(request, result.handle, result.first.token_ids[0])
-        done = False
-        try:
-            relay = self._relay(request.request_id, self.decode.decode, decode_request)
-            async with aclosing(relay) as chunks:
-                async for chunk in chunks:
-                    done = chunk.output.finished
-                    yield chunk
-        finally:
-            if not done:  # failed or abandoned: don't leave the lease to expire
-                await self.kv_client.release(result.handle, "aborted")
+        relay = self._relay(request.request_id, self.decode.decode, decode_request)
+        async with aclosing(relay) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _relay(self, request_id: str, method, payload) -> AsyncIterator[WorkerChunk]:
         """Call a worker's streaming method (`method.remote(payload, route)`, a Serve handle
@@ -253,7 +271,21 @@ class Orchestrator:
             self._registry = registry(self.config.name)
         replicas = await self._registry.list.remote()
         pools = await pool_statuses(self.config, self.app_name, replicas)
-        return ClusterStats(tuple(pools), tuple(replicas))
+        return ClusterStats(tuple(pools), tuple(replicas), kv_transport(self.config))
+
+
+def _first_chunk(result: PrefillResult) -> WorkerChunk:
+    """The prefill hop's token as the client's first chunk; unless the request finished on it
+    ("prefilled": it goes on in decode) it is not the last."""
+    first = result.first
+    if result.handle is not None:
+        first = replace(first, finish_reason=None)
+    return WorkerChunk(
+        first,
+        result.replica_id,
+        queue_seconds=result.queue_seconds,
+        prefill_seconds=result.prefill_seconds,
+    )
 
 
 def _outcome_seen(call: asyncio.Future) -> None:

@@ -77,6 +77,9 @@ class Router:
         tokens = getattr(self, "tokens", None)  # absent if __init__ failed early
         if tokens is not None:
             await tokens.stop()
+        orch = getattr(self, "orch", None)
+        if orch is not None:
+            await orch.close()  # lets the lease releases on their way go out
 
 
 def _fail(grpc_context, e: BaseException) -> None:

@@ -94,6 +94,13 @@ class AsyncEngine:
         """Where the model and the KV pool live."""
         return self.engine.device
 
+    @property
+    def kv_pool(self) -> KVCache:
+        """The paged KV pool, for a transport to register once (NIXL). Its blocks are read
+        only under a lease's pin (see `read_held_kv`) and written only into blocks reserved
+        for an import (`Engine.reserve_import`)."""
+        return self.engine.kv_cache
+
     def read_held_kv(
         self, request_id: str, block_ids: list[int], read: Callable[[KVCache], T]
     ) -> T:
@@ -154,7 +161,7 @@ class AsyncEngine:
                 del self._sinks[request_id]
                 raise
 
-        await self.call(add)
+        await self._admit(add, lambda e: self._drop_sink(e, request_id))
         try:
             await sink.done
         except BaseException:
@@ -169,11 +176,26 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         try:
-            await self.call(admit)
+            await self._admit(admit, lambda e: e.abort(request_id))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         return self._drain(request_id, q)
+
+    async def _admit(self, admit: Callable[[Engine], Any], undo: Callable[[Engine], Any]) -> None:
+        """`call(admit)`; if the caller is cancelled meanwhile, the command still runs on the
+        engine thread, so once it has admitted the request `undo` takes it out again."""
+        admitted = asyncio.ensure_future(self.call(admit))
+        try:
+            await asyncio.shield(admitted)
+        except asyncio.CancelledError:
+            admitted.add_done_callback(lambda f: self._undo_if_admitted(f, undo))
+            raise
+
+    def _undo_if_admitted(self, admitted: asyncio.Future, undo: Callable[[Engine], Any]) -> None:
+        if not admitted.cancelled() and admitted.exception() is None:
+            self._commands.put((undo, self._loop.create_future()))
+            self._wake.set()
 
     async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[StepOutput]:
         finished = False

@@ -25,6 +25,12 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "pdserve_kv_transfer_bytes_total": ("counter", "KV bytes moved between pools", ("pool",)),
     "pdserve_kv_transfer_failures_total": ("counter", "Failed KV fetches", ("pool", "code")),
     "pdserve_kv_leases_expired_total": ("counter", "KV leases freed by expiry", ("pool",)),
+    "pdserve_kv_leases_released_total": (
+        "counter",
+        "KV leases ended by a release, by reason: fetched (decode has the KV), cancelled (the "
+        "request was cancelled first), aborted (the router gave up on a failed decode hop)",
+        ("pool", "reason"),
+    ),
     "pdserve_replica_up": (
         "gauge",
         "1 per live engine replica",

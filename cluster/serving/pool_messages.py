@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.request import Request, StepOutput
@@ -51,6 +51,10 @@ class WorkerChunk:
 
 @dataclass(frozen=True)
 class ReplicaStats:
+    """One engine replica's numbers as of `updated_at` (wall clock). `kv_leases_ended`, on
+    prefill replicas: how many leases ended so far, by reason (fetched, cancelled, aborted,
+    expired)."""
+
     pool: str
     replica_id: str
     kv_blocks_total: int
@@ -62,3 +66,4 @@ class ReplicaStats:
     kv_blocks_cached: int = 0
     generated_tokens: int = 0
     updated_at: float = 0.0
+    kv_leases_ended: dict[str, int] = field(default_factory=dict)

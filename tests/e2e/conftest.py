@@ -13,6 +13,7 @@ from tests.ray_fixtures import deploy, small_app_config
 
 PD, CO = "pd", "co"
 ENGINE_CORE = (max(os.sched_getaffinity(0)),)
+PD_LEASE_SECONDS = 4.0
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +29,7 @@ def apps(ray_serve, tokenizer_model_dir):
             base,
             prefill=two,
             decode=replace(base.decode, replicas=2),
-            transfer=TransferConfig(lease_seconds=4.0),
+            transfer=TransferConfig(lease_seconds=PD_LEASE_SECONDS),
         ),
         PD,
         "/pd",

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from cluster.errors import InvalidArgument, Unauthenticated
-from tests.prefill_worker.kv_pair import pair, prompt, run
+from cluster.request import Request
+from tests.prefill_worker.kv_pair import PARAMS, pair, prompt, run
 
 
 def test_release_during_a_fetch_waits_for_the_fetch(llama_dir: Path) -> None:
@@ -36,5 +37,40 @@ def test_release_during_a_fetch_waits_for_the_fetch(llama_dir: Path) -> None:
             with pytest.raises(InvalidArgument):
                 await p.leases.release("r1", "whatever")
             assert await p.leases.drain(0.0)  # nothing outstanding
+
+    run(main())
+
+
+def test_a_grant_cancelled_frees_the_prompt_instead_of_leasing_it(llama_dir: Path) -> None:
+    """The prefill call was cancelled between the end of its prefill and its lease: nobody
+    will ever see the lease, so there must be none, and the held prompt goes at once."""
+
+    async def main() -> None:
+        async with pair(llama_dir) as p:
+            request = Request("r1", prompt(40, 3), PARAMS, prefill_only=True)
+            assert [o async for o in await p.prefill.generate(request)][-1].finished
+            assert (await p.used_blocks())[0] == 3
+            grant = asyncio.ensure_future(p.leases.grant("r1"))
+            await asyncio.sleep(0)  # the grant waits for the engine thread
+            grant.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await grant
+            assert p.leases.outstanding() == 0
+            for _ in range(50):
+                if await p.used_blocks() == (0, 0):
+                    break
+                await asyncio.sleep(0.02)
+            assert await p.used_blocks() == (0, 0)
+
+    run(main())
+
+
+def test_leases_ended_are_counted_by_reason(llama_dir: Path) -> None:
+    async def main() -> None:
+        async with pair(llama_dir) as p:
+            for i, reason in enumerate(["cancelled", "cancelled", "aborted", "fetched"]):
+                await p.prefill_handle(f"r{i}", prompt(20, i))
+                assert await p.leases.release(f"r{i}", reason)
+            assert p.leases.ended == {"fetched": 1, "cancelled": 2, "aborted": 1, "expired": 0}
 
     run(main())

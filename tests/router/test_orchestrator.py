@@ -20,6 +20,7 @@ from cluster.sampling_params import SamplingParams
 from cluster.serving.app_config import AppConfig
 from cluster.serving.pool_messages import PrefillResult, WorkerChunk
 from decode_worker.token_sender import TokenSender
+from router.lease_releases import LeaseReleases
 from router.orchestrator import Orchestrator
 from router.token_stream import TokenStreamServer
 
@@ -37,17 +38,36 @@ class _Remote:
 
 
 @dataclass
+class _Call:
+    """A Serve call's response: awaitable and cancellable (unless the cancel comes too late,
+    when the replica has returned already)."""
+
+    task: asyncio.Task
+    too_late: bool
+
+    def __await__(self):
+        return self.task.__await__()
+
+    def cancel(self) -> None:
+        if not self.too_late:
+            self.task.cancel()
+
+
+@dataclass
 class FakePools:
     prefill_failures: int = 0
     # per attempt: "ok", "fail-early", "fail-late" or "hang" (no token after the first)
     decode_plan: list[str] = field(default_factory=list)
+    prefill_seconds: float = 0.0  # how long a prefill call takes
+    cancel_too_late: bool = False  # cancelling a prefill call does not stop it
     prefill_calls: int = 0
     decode_calls: int = 0
     worker_calls: list[asyncio.Task] = field(default_factory=list)
+    prefill_tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
     def prefill(self):
-        return type("P", (), {"prefill": _Remote(self._prefill)})()
+        return type("P", (), {"prefill": _Remote(self._prefill_call)})()
 
     @property
     def decode(self):
@@ -82,8 +102,14 @@ class FakePools:
         finally:
             sender.close()
 
+    def _prefill_call(self, request) -> _Call:
+        """A prefill call (`PrefillWorker.prefill`), standing for the Serve call."""
+        self.prefill_tasks.append(asyncio.ensure_future(self._prefill(request)))
+        return _Call(self.prefill_tasks[-1], self.cancel_too_late)
+
     async def _prefill(self, request):
         self.prefill_calls += 1
+        await asyncio.sleep(self.prefill_seconds)
         if self.prefill_calls <= self.prefill_failures:
             raise Unavailable("prefill replica draining")
         first = StepOutput(request.request_id, (7,), "a", "prefilled", 3, 1)
@@ -130,13 +156,18 @@ class Releases:
         self.released.append(reason)
         return True
 
+    async def close(self) -> None:
+        pass
+
 
 def run(pools: FakePools, take: int | None = None, **config) -> list:
     """The chunks of one request; with `take`, the client stops reading after that many."""
     return asyncio.run(run_async(pools, take, **config))[0]
 
 
-async def run_async(pools: FakePools, take: int | None = None, **config):
+async def run_async(
+    pools: FakePools, take: int | None = None, releases: Releases | None = None, **config
+):
     spec = ArchSpec(
         512, 64, 128, 2, 4, 2, 8, 1e-5, 256, {}, False, False, False, False, False, None
     )
@@ -146,7 +177,8 @@ async def run_async(pools: FakePools, take: int | None = None, **config):
     await tokens.start()
     try:
         orch = Orchestrator(config, info, pools.prefill, pools.decode, pools.colocated, tokens)
-        orch.kv_client = Releases()
+        releases = releases or Releases()
+        orch.leases = LeaseReleases(releases)
         params = SamplingParams(max_tokens=3, temperature=0.0)
         request = orch.build_request(None, [1, 2, 3], params, "r1")
         got = []
@@ -159,7 +191,8 @@ async def run_async(pools: FakePools, take: int | None = None, **config):
         finally:
             await stream.aclose()
             await asyncio.gather(*pools.worker_calls, return_exceptions=True)
-        return got, orch.kv_client.released
+            await orch.close()  # the lease releases still on their way
+        return got, releases.released
     finally:
         assert not tokens._subs  # every subscription was closed
         await tokens.stop()
@@ -205,12 +238,49 @@ def test_a_finished_stream_leaves_the_worker_call_to_return_by_itself():
     assert not call.cancelled() and call.exception() is None
 
 
-def test_a_stream_the_client_leaves_cancels_the_worker_call_and_gives_back_the_lease():
+def test_a_stream_the_client_leaves_while_decoding_cancels_the_worker_call():
     pools = FakePools(decode_plan=["ok"])
     chunks, released = asyncio.run(run_async(pools, take=2))
-    assert tokens(chunks) == [7, 8] and released == ["aborted"]
+    # The decode worker had the KV (it sent a token), so it released the lease itself.
+    assert tokens(chunks) == [7, 8] and released == []
     (call,) = pools.worker_calls
     assert call.cancelled()
+
+
+def test_a_client_leaving_after_the_first_token_gives_back_the_lease_at_once():
+    pools = FakePools(decode_plan=["hang"])
+    chunks, released = asyncio.run(run_async(pools, take=1))
+    assert tokens(chunks) == [7] and released == ["cancelled"]
+
+
+def test_a_decode_hop_failing_early_gives_back_its_lease_before_the_retry():
+    pools = FakePools(decode_plan=["fail-early", "ok"])
+    chunks, released = asyncio.run(run_async(pools))
+    assert tokens(chunks) == [7, 8, 9] and released == ["aborted"]
+
+
+def test_a_request_cancelled_during_its_prefill_cancels_the_call_or_releases_its_result():
+    """The router's task is cancelled while the prefill call runs (a client that left, as
+    Serve's proxy delivers it). The call is cancelled; if its result lands anyway, because the
+    replica had finished, the lease in it is released at once."""
+
+    async def main(replica_finishes: bool) -> tuple[asyncio.Task, list[str]]:
+        pools = FakePools(prefill_seconds=0.3, cancel_too_late=replica_finishes)
+        releases = Releases()
+        request = asyncio.ensure_future(run_async(pools, releases=releases))
+        await asyncio.sleep(0.1)  # the prefill call is running
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        (call,) = pools.prefill_tasks
+        await asyncio.gather(call, return_exceptions=True)
+        await asyncio.sleep(0.05)  # the release goes out in the background
+        return call, releases.released
+
+    call, released = asyncio.run(main(replica_finishes=False))
+    assert call.cancelled() and released == []
+    call, released = asyncio.run(main(replica_finishes=True))
+    assert not call.cancelled() and released == ["cancelled"]
 
 
 def test_a_request_past_its_deadline_fails_and_cancels_the_worker_call():

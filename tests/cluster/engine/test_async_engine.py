@@ -1,0 +1,97 @@
+"""`AsyncEngine`: a caller cancelled while its request is being admitted leaves nothing behind.
+
+Commands run on the engine thread whether or not their caller still waits, so a cancel that
+lands while the admit command is queued used to leave the request in the engine with nobody
+reading it: a prefill-only prompt then stayed held for good."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.engine.async_engine import AsyncEngine
+from cluster.request import Request, StepOutput
+from tests.conftest import greedy, prompt
+
+
+class _Sink:
+    """A `StepSink` that takes every output and never finishes on its own."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.get_running_loop().create_future()
+        self.outputs: list[StepOutput] = []
+
+    def put(self, out: StepOutput) -> _Sink:
+        self.outputs.append(out)
+        return self
+
+    def flush(self) -> list[str]:
+        return []
+
+    def fail(self, exc: BaseException) -> None:
+        pass
+
+
+def test_a_prompt_whose_caller_is_cancelled_while_it_is_admitted_is_aborted(model_dir, make_engine):
+    """Prefill-only, as the prefill pool runs it: left alone it would end held, for good."""
+    engine = AsyncEngine(make_engine(model_dir("llama-gqa")))
+
+    async def main() -> None:
+        engine.start()
+        try:
+            for i in range(5):
+                request = Request(f"r{i}", prompt(40, seed=i), greedy(8), prefill_only=True)
+                call = asyncio.ensure_future(engine.generate(request))
+                await _cancel_after(call, i)
+                (stream,) = await asyncio.gather(call, return_exceptions=True)
+                if not isinstance(stream, asyncio.CancelledError):
+                    await stream.aclose()  # admitted before the cancel: closing it aborts it
+            assert await _emptied(engine)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_caller_is_cancelled_while_it_is_admitted_stops_at_once(
+    model_dir, make_engine
+):
+    """Decoding into a sink, as the decode pool runs it: left alone it would decode to
+    max_tokens into a sink nobody reads."""
+    engine = AsyncEngine(make_engine(model_dir("llama-gqa")))
+
+    async def main() -> None:
+        engine.start()
+        sinks = []
+        try:
+            for i in range(5):
+                request = Request(f"r{i}", prompt(20, seed=i), greedy(100))
+                sinks.append(_Sink())
+                admit = lambda e, r=request: e.add_request(r)  # noqa: E731
+                call = asyncio.ensure_future(engine.stream_to(f"r{i}", admit, sinks[-1]))
+                await _cancel_after(call, i)
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            assert await _emptied(engine)
+            assert all(len(s.outputs) < 10 for s in sinks), [len(s.outputs) for s in sinks]
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+async def _cancel_after(call: asyncio.Future, loop_turns: int) -> None:
+    """Cancel `call` after a few turns of the event loop: at different points of the admit."""
+    for _ in range(loop_turns):
+        await asyncio.sleep(0)
+    call.cancel()
+
+
+async def _emptied(engine: AsyncEngine) -> bool:
+    """True once the engine holds no sequence and no block (within a second)."""
+    for _ in range(50):
+        if await engine.call(lambda e: (len(e.seqs), e.stats().kv_blocks_used)) == (0, 0):
+            return True
+        await asyncio.sleep(0.02)
+    return False

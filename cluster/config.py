@@ -9,7 +9,8 @@ import torch
 
 from cluster.errors import InvalidArgument
 
-TransportName = Literal["grpc", "gloo", "nccl"]
+TransportName = Literal["auto", "grpc", "nixl", "gloo", "nccl"]
+TRANSPORTS = ("auto", "grpc", "nixl", "gloo", "nccl")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,9 +76,14 @@ class TransferConfig:
     `secret` keys the HMAC capability tokens; every worker of one cluster must share it (the app
     builder generates one when it is empty). `host` is the address the prefill worker's KV
     server, and the router's token stream server, bind and advertise ("auto" = this node's
-    Ray address); port 0 picks a free port (the token stream server always picks one)."""
+    Ray address); port 0 picks a free port (the token stream server always picks one).
 
-    transport: TransportName = "grpc"
+    `transport` "auto" is decided when the app is built (`AppConfig.resolved`): "nixl" where
+    NIXL imports and two agents move bytes to each other, else "grpc". `checksum` adds a
+    checksum of every gRPC chunk, computed by the sender and checked by the receiver (headers
+    and shapes are always checked); off, the chunk bytes are not read beyond their copies."""
+
+    transport: TransportName = "auto"
     host: str = "127.0.0.1"
     port: int = 0
     lease_seconds: float = 30.0
@@ -89,10 +95,11 @@ class TransferConfig:
     # is closed after this long unused (gRPC: and at least fetch_timeout_seconds).
     channel_idle_seconds: float = 60.0
     secret: str = ""
+    checksum: bool = False
 
     def __post_init__(self) -> None:
-        if self.transport not in ("grpc", "gloo", "nccl"):
-            raise InvalidArgument(f"transport must be grpc, gloo or nccl, got {self.transport!r}")
+        if self.transport not in TRANSPORTS:
+            raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if min(self.lease_seconds, self.fetch_timeout_seconds, self.channel_idle_seconds) <= 0:
             raise InvalidArgument(
                 "lease_seconds, fetch_timeout_seconds and channel_idle_seconds must be positive"

@@ -2,12 +2,14 @@
 joins the continuous batch and streams tokens.
 
 The pull is this side's job (the prefill side never learns where decoding happens), so Serve's
-own routing picks the replica in each pool. The lease is released as soon as the KV is copied
-into local memory: the ReleaseKV call runs while the KV is imported, so its round trip is not
-on the way to the second token. The engine thread sends the tokens to the router's token
-server itself (decode_worker/token_sender.py) while the Serve call stays open until the last
-one. A replica being removed lets its streams finish within the graceful shutdown timeout and
-ends the rest with finish reason "abort".
+own routing picks the replica in each pool. The engine reserves the prompt's blocks first and
+the KV client writes the KV straight into them (`KVClient.fetch_into`; under `nixl` a READ from
+the prefill pool into ours). The lease is released as soon as the KV is in our pool: the
+ReleaseKV call runs while the sequence joins the batch, so its round trip is not on the way to
+the second token. The engine thread sends the tokens to the router's token server itself
+(decode_worker/token_sender.py) while the Serve call stays open until the last one. A replica
+being removed lets its streams finish within the graceful shutdown timeout and ends the rest
+with finish reason "abort".
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
 from cluster.engine.engine import Engine
-from cluster.engine.kv_cache import KVExport
 from cluster.errors import PdServeError
 from cluster.kv_transfer.kv_client import make_kv_client
 from cluster.request import Request, StepOutput
@@ -34,7 +35,10 @@ class DecodeWorker(EngineReplica):
     async def __init__(self, config: AppConfig) -> None:
         self._start(config, "decode")
         self.kv_client = make_kv_client(
-            config.transfer, self.engine.device, max_blocks=config.decode.cache.num_blocks
+            config.transfer,
+            self.engine.device,
+            max_blocks=config.decode.cache.num_blocks,
+            pool=self.engine.kv_pool,
         )
         self.tokens = TokenSender()
 
@@ -45,27 +49,37 @@ class DecodeWorker(EngineReplica):
         (bad lease, layout mismatch, full pool) are raised; cancelling the call aborts the
         request and frees its blocks."""
         started = time.monotonic()
-        async with self._fetched(req) as (request, kv):
+        async with self._fetched(req) as (request, nbytes):
             stream = _DecodeStream(
-                request, kv, req.first_token, started, self.replica_id, self.metrics
+                request, nbytes, req.first_token, started, self.replica_id, self.metrics
             )
             async with self.tokens.sink(route, request.request_id, stream.chunk) as sink:
                 await self.engine.stream_to(request.request_id, stream.admit, sink)
 
     @asynccontextmanager
-    async def _fetched(self, req: DecodeRequest) -> AsyncIterator[tuple[Request, KVExport]]:
-        """Fetch the prompt's KV; the lease is released (best effort: a lost release expires)
-        while the body imports it, and the release is awaited when the body ends."""
+    async def _fetched(self, req: DecodeRequest) -> AsyncIterator[tuple[Request, int]]:
+        """Reserve blocks for the prompt's KV and fetch it into them: (request, KV bytes). The
+        lease is released (best effort: a lost release expires) while the body imports it, and
+        the release is awaited when the body ends. Blocks of an import the body did not finish
+        (a failed fetch, a cancel) are freed."""
+        request = replace(req.request, arrival_time=time.monotonic())
+        rid = request.request_id
         try:
-            kv = await self.kv_client.fetch(req.handle, self.layout)
-        except PdServeError as e:
-            self.metrics.inc("pdserve_kv_transfer_failures_total", code=e.grpc_code)
+            block_ids = await self.engine.call(lambda e: e.reserve_import(request))
+            try:
+                pool = self.engine.kv_pool
+                nbytes = await self.kv_client.fetch_into(req.handle, pool, block_ids)
+            except PdServeError as e:
+                self.metrics.inc("pdserve_kv_transfer_failures_total", code=e.grpc_code)
+                raise
+            released = asyncio.ensure_future(self.kv_client.release(req.handle, "fetched"))
+            try:
+                yield request, nbytes
+            finally:
+                await released
+        except BaseException:
+            await asyncio.shield(self.engine.call(lambda e: e.cancel_import(rid)))
             raise
-        released = asyncio.ensure_future(self.kv_client.release(req.handle, "fetched"))
-        try:
-            yield replace(req.request, arrival_time=time.monotonic()), kv
-        finally:
-            await released
 
     async def __del__(self) -> None:
         await self._shutdown()
@@ -81,7 +95,7 @@ class _DecodeStream:
     the first output) goes to the metrics."""
 
     request: Request
-    kv: KVExport
+    kv_bytes: int
     first_token: int
     started: float
     replica_id: str
@@ -89,10 +103,10 @@ class _DecodeStream:
     imported_at: float = 0.0
 
     def admit(self, engine: Engine) -> None:
-        engine.import_kv(self.request, self.kv, self.first_token)
+        engine.finish_import(self.request.request_id, self.first_token)
         self.imported_at = time.monotonic()
         self.metrics.observe("pdserve_kv_transfer_time_seconds", self.transfer_seconds)
-        self.metrics.inc("pdserve_kv_transfer_bytes_total", self.kv.k.nbytes + self.kv.v.nbytes)
+        self.metrics.inc("pdserve_kv_transfer_bytes_total", self.kv_bytes)
 
     @property
     def transfer_seconds(self) -> float:

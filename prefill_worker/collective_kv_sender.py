@@ -2,18 +2,20 @@
 `KVServer`'s OpenChannel, PushKV and CloseChannel.
 
 `open` makes a `KVChannel` for a decode worker (this side is rank 0) and joins it in the
-background through the one rendezvous TCPStore this sender hosts; `push` reads a pinned lease's
-blocks (beside the engine thread, `AsyncEngine.read_held_kv`) and queues their send on the
-channel. Channels are cached by id and closed after `idle_s` without a transfer, or as soon as
-one breaks (the transfer's receiver then fails with UNAVAILABLE and opens a new channel). A
-sender for the `grpc` transport serves no channels.
-"""
+background through the one rendezvous TCPStore this sender hosts; `push` queues the send of a
+pinned lease's blocks on the channel, which gathers them (beside the engine thread,
+`AsyncEngine.read_held_kv`) on its own stream once the prefill step that wrote them is done.
+Channels are cached by id and closed after `idle_s` without a transfer, or as soon as one breaks
+(the transfer's receiver then fails with UNAVAILABLE and opens a new channel). A sender for
+another transport (`grpc`, `nixl`) serves no channels."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import logging
+import math
 import secrets
 
 import torch
@@ -24,6 +26,7 @@ from cluster.engine.kv_cache import KVLayout
 from cluster.errors import FailedPrecondition, PdServeError, ResourceExhausted, Unavailable
 from cluster.kv_transfer.kv_channel import PREFILL_RANK, KVChannel, transport_device
 from cluster.kv_transfer.kv_channel_cache import KVChannelCache
+from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from prefill_worker.lease_keeper import LeaseKeeper
 
@@ -57,9 +60,8 @@ class CollectiveKVSender:
         self.layout = layout
         self.host = host
         self.transport = transport
-        self.device = (
-            None if transport == "grpc" else transport_device(transport, async_engine.device)
-        )
+        direct = transport in ("gloo", "nccl")
+        self.device = transport_device(transport, async_engine.device) if direct else None
         self.timeout_s = timeout_s
         self.max_channels = max_channels
         self.channels: KVChannelCache[str] = KVChannelCache(idle_s)
@@ -96,25 +98,29 @@ class CollectiveKVSender:
     async def push(
         self, channel_id: str, request_id: str, block_ids: list[int]
     ) -> pb.PushKVResponse:
-        """Read the lease's blocks and queue their send on channel `channel_id`; the response
-        announces the tensors. The caller's pin of the lease (`leases.begin_fetch`) passes to
-        this: it ends when the send does, or at once if this raises (ChannelGone if the channel
-        is not open)."""
+        """Queue the send of the lease's blocks on channel `channel_id`: one message of keys
+        and values, gathered from the pool on the channel's stream after the prefill work that
+        wrote them (an event recorded now, on the engine's stream). The response announces
+        it. The caller's pin of the lease (`leases.begin_fetch`) passes to this: it ends when
+        the send does, or at once if this raises (ChannelGone if the channel is not open)."""
         channel = self.channels.get(channel_id)
         if channel is not None:
             channel.busy += 1  # not evicted until the send ends
         try:
             if channel is None or not await channel.joined or channel.closed:
                 raise ChannelGone(f"no open KV channel {channel_id!r}; open a new one")
-            k, v = await asyncio.to_thread(self._read, request_id, block_ids, channel.device)
+            self.engine.read_held_kv(request_id, block_ids, lambda pool: None)  # still held
         except BaseException:
             if channel is not None:
                 channel.busy -= 1
             self.leases.end_fetch(request_id)
             raise
+        ready = _step_done(self.engine.device)
         tag = channel.next_tag()
-        self._spawn(self._send(channel, request_id, k, v, tag))  # ends the fetch, unpins
-        return pb.PushKVResponse(dtype=self.layout.dtype, shape=k.shape, nbytes=k.nbytes, tag=tag)
+        self._spawn(self._send(channel, request_id, block_ids, ready, tag))  # ends the fetch
+        shape = (self.layout.num_layers, len(block_ids), *self.layout.block_shape)
+        nbytes = DTYPES[self.layout.dtype].itemsize * math.prod(shape)
+        return pb.PushKVResponse(dtype=self.layout.dtype, shape=shape, nbytes=nbytes, tag=tag)
 
     def close(self, channel_id: str) -> bool:
         """Close a channel the decode side is done with; False if there was none."""
@@ -139,20 +145,23 @@ class CollectiveKVSender:
         finally:
             channel.busy -= 1
 
-    def _read(self, request_id: str, block_ids: list[int], device: torch.device):
-        """Worker thread: the lease's blocks as two contiguous tensors on `device` (the pool's
-        own device under nccl: no host copy), complete before any other stream reads them."""
-        k, v = self.engine.read_held_kv(request_id, block_ids, lambda pool: pool.read(block_ids))
-        k, v = k.to(device), v.to(device)
-        if k.is_cuda:
-            torch.cuda.current_stream(k.device).synchronize()
-        return k, v
+    def _gather(self, request_id: str, block_ids: list[int], device: torch.device):
+        """The channel's worker thread, on its stream: the lease's keys and values in one
+        tensor on `device` (the pool's own under nccl: no host copy)."""
+        kv = self.engine.read_held_kv(request_id, block_ids, lambda pool: pool.gather(block_ids))
+        return kv.to(device)
 
     async def _send(
-        self, channel: KVChannel, request_id: str, k: torch.Tensor, v: torch.Tensor, tag: int
+        self,
+        channel: KVChannel,
+        request_id: str,
+        block_ids: list[int],
+        ready: torch.cuda.Event | None,
+        tag: int,
     ) -> None:
         try:
-            await channel.send(k, v, tag)
+            gather = functools.partial(self._gather, request_id, block_ids, channel.device)
+            await channel.send(gather, tag, ready)
         except Unavailable as exc:
             log.warning("KV send of %s failed: %s", request_id, exc.message)
             self.channels.drop(channel.id, channel)
@@ -165,3 +174,13 @@ class CollectiveKVSender:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _step_done(device: torch.device) -> torch.cuda.Event | None:
+    """An event after every prefill step queued so far on `device` (the engine runs on the
+    default stream); None for a host pool."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.default_stream(device))
+    return event

@@ -1,10 +1,12 @@
 """`GrpcKVSender`: the prefill side of the `grpc` KV transport, behind `KVServer.FetchKV`.
 
-It turns a pinned lease's blocks into `KVChunk` frames in wire form (`kv_wire.encode_frame`).
-A producer task reads the chunks out of the pool, up to `read_batch_bytes` per read, and frames
+It turns a pinned lease's blocks into `KVChunk` frames in wire form (`kv_frame.encode_frame`). A
+producer task reads the chunks out of the pool, up to `read_batch_bytes` per read, and frames
 them, on worker threads, while earlier frames are sent; at most two framed chunks wait for the
-socket. The reads run beside the engine thread (`AsyncEngine.read_held_kv`), so a fetch never
-waits for a prefill step to end.
+socket. Without checksums, a chunk whose blocks are consecutive in a host pool is framed
+straight from the pool (`kv_wire.pool_slices`): one copy of each byte on this side. The reads
+run beside the engine thread (`AsyncEngine.read_held_kv`), so a fetch never waits for a prefill
+step to end.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from collections.abc import AsyncIterator
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.kv_cache import KVLayout
+from cluster.kv_transfer.kv_frame import encode_frame
 from cluster.kv_transfer.kv_wire import (
     ChunkRange,
+    PoolSlices,
     chunk_header,
     chunk_ranges,
-    encode_frame,
     gather_chunks,
+    pool_slices,
     unit_bytes,
 )
 
@@ -32,13 +36,14 @@ class GrpcKVSender:
         self.read_batch_bytes = read_batch_bytes
 
     async def frames(
-        self, request_id: str, block_ids: list[int], max_chunk_bytes: int
+        self, request_id: str, block_ids: list[int], max_chunk_bytes: int, checksum: bool = False
     ) -> AsyncIterator[bytes]:
         """The chunks of the lease of `request_id` on `block_ids`, which the caller keeps pinned
-        until the stream ends, each at most `max_chunk_bytes` of KV."""
+        until the stream ends, each at most `max_chunk_bytes` of KV; with `checksum`, each
+        header carries its data's checksum."""
         frames: asyncio.Queue[bytes | Exception | None] = asyncio.Queue(maxsize=2)
         producer = asyncio.create_task(
-            self._produce(request_id, block_ids, max_chunk_bytes, frames)
+            self._produce(request_id, block_ids, max_chunk_bytes, checksum, frames)
         )
         try:
             while (frame := await frames.get()) is not None:
@@ -54,6 +59,7 @@ class GrpcKVSender:
         request_id: str,
         block_ids: list[int],
         max_chunk_bytes: int,
+        checksum: bool,
         frames: asyncio.Queue[bytes | Exception | None],
     ) -> None:
         try:
@@ -63,19 +69,31 @@ class GrpcKVSender:
             per_read = max(1, self.read_batch_bytes // max_chunk_bytes)
             for i in range(0, len(ranges), per_read):
                 batch = ranges[i : i + per_read]
-                pieces = await asyncio.to_thread(self._read, request_id, block_ids, batch)
+                pieces = await asyncio.to_thread(self._read, request_id, block_ids, batch, checksum)
                 for r, data in zip(batch, pieces, strict=True):
-                    await frames.put(await asyncio.to_thread(_frame, r, data, self.layout.dtype))
+                    frame = await asyncio.to_thread(_frame, r, data, self.layout.dtype, checksum)
+                    await frames.put(frame)
             await frames.put(None)
         except Exception as exc:  # handed to the stream, which fails the RPC with it
             await frames.put(exc)
 
-    def _read(self, request_id: str, block_ids: list[int], ranges: list[ChunkRange]):
-        """Worker thread: copies of the chunks `ranges` of the lease's blocks."""
-        return self.engine.read_held_kv(
-            request_id, block_ids, lambda pool: gather_chunks(pool.k, pool.v, block_ids, ranges)
-        )
+    def _read(
+        self, request_id: str, block_ids: list[int], ranges: list[ChunkRange], checksum: bool
+    ):
+        """Worker thread: the chunks `ranges` of the lease's blocks, as views into the pool
+        (read while the caller's pin lasts) where framing may copy straight from it, else as
+        gathered copies."""
+
+        def read(pool):
+            if not checksum:
+                views = [pool_slices(pool.k, pool.v, block_ids, r) for r in ranges]
+                if all(view is not None for view in views):
+                    return views
+            return gather_chunks(pool.k, pool.v, block_ids, ranges)
+
+        return self.engine.read_held_kv(request_id, block_ids, read)
 
 
-def _frame(r: ChunkRange, data, dtype: str) -> bytes:
-    return encode_frame(chunk_header(r, data, dtype), data)
+def _frame(r: ChunkRange, data, dtype: str, checksum: bool) -> bytes:
+    body = data.pieces if isinstance(data, PoolSlices) else data
+    return encode_frame(chunk_header(r, data, dtype, checksum), body)

@@ -2,7 +2,9 @@
 
 `FetchKV` (transport "grpc") streams the KV of one lease in chunks (`GrpcKVSender`); `PushKV`
 (transports "gloo" and "nccl") sends it over a direct channel the decode worker opened with
-`OpenChannel` (`CollectiveKVSender`). Both check, before anything is read: the handle is well
+`OpenChannel` (`CollectiveKVSender`); `HoldKV` (transport "nixl") pins a lease while the decode
+worker READs it from the pool `ConnectNixl` described (`NixlKVSender`). All check, before
+anything is read: the handle is well
 formed, its capability token is genuine (UNAUTHENTICATED), the receiver's layout and the
 handle's equal ours (FAILED_PRECONDITION), and the lease is live (NOT_FOUND: released, expired
 or unknown). The lease is pinned for the whole transfer (`LeaseKeeper.begin_fetch` /
@@ -12,13 +14,20 @@ steps. Fetching does not end the lease; the client calls `ReleaseKV`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.kv_cache import KVLayout
-from cluster.errors import InvalidArgument, PdServeError, Unauthenticated
+from cluster.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PdServeError,
+    Unauthenticated,
+    Unavailable,
+)
 from cluster.kv_transfer.kv_handle import KVHandle, layout_from_proto
 from cluster.kv_transfer.kv_wire import HEADER_SLACK, MAX_REQUEST_BYTES
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
@@ -29,8 +38,10 @@ from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import (
 from prefill_worker.collective_kv_sender import CollectiveKVSender
 from prefill_worker.grpc_kv_sender import GrpcKVSender
 from prefill_worker.lease_keeper import LeaseKeeper
+from prefill_worker.nixl_kv_sender import NixlKVSender
 
 SERVICE = "pdserve.v1.KVTransfer"
+log = logging.getLogger(__name__)
 
 
 class KVServer(KVTransferServicer):
@@ -52,7 +63,9 @@ class KVServer(KVTransferServicer):
         """`read_batch_bytes` bounds the KV copied out of the pool per read of `FetchKV`. With
         `transport` "gloo" or "nccl" the server also serves direct channels (InvalidArgument
         here if this process cannot run it): each joins and sends within `channel_timeout_s`,
-        is closed after `channel_idle_s` unused, and at most `max_channels` are open at once."""
+        is closed after `channel_idle_s` unused, and at most `max_channels` are open at once.
+        With "nixl" it registers the engine's pool with a NIXL agent (where NIXL is not usable,
+        it serves grpc, and `transport` says so); a hold lasts at most `channel_timeout_s`."""
         self.grpc = GrpcKVSender(async_engine, layout, read_batch_bytes)
         if max_chunk_bytes < self.grpc.unit_bytes:
             raise InvalidArgument(
@@ -71,6 +84,14 @@ class KVServer(KVTransferServicer):
             idle_s=channel_idle_s,
             max_channels=max_channels,
         )
+        self.transport = transport  # what this server's handles say: `transport`, or grpc
+        self.nixl: NixlKVSender | None = None
+        if transport == "nixl":
+            try:
+                self.nixl = NixlKVSender(async_engine.kv_pool, layout, channel_timeout_s)
+            except Unavailable as exc:  # FetchKV serves the same leases
+                log.warning("KV server falls back to grpc: %s", exc.message)
+                self.transport = "grpc"
         self.leases = lease_keeper
         self.layout = layout
         self.host = host
@@ -102,13 +123,15 @@ class KVServer(KVTransferServicer):
         if server is not None:
             await server.stop(grace)
         await self.collective.stop()
+        if self.nixl is not None:
+            await self.nixl.stop()
 
     # -- RPCs ------------------------------------------------------------------------------
 
     async def FetchKV(
         self, request: pb.FetchKVRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        """Yields `KVChunk` messages already in wire form (`kv_wire.encode_frame`); the method is
+        """Yields `KVChunk` messages already in wire form (`kv_frame.encode_frame`); the method is
         registered without a response serializer (`_add_servicer`)."""
         try:
             rid, block_ids = await self._pin(request)
@@ -117,7 +140,7 @@ class KVServer(KVTransferServicer):
         try:
             limit = request.max_chunk_bytes or self.max_chunk_bytes
             limit = max(min(limit, self.max_chunk_bytes), self.grpc.unit_bytes)
-            async for frame in self.grpc.frames(rid, block_ids, limit):
+            async for frame in self.grpc.frames(rid, block_ids, limit, request.checksum):
                 yield frame
         except PdServeError as exc:
             await _abort(context, exc)
@@ -151,6 +174,35 @@ class KVServer(KVTransferServicer):
     ) -> pb.CloseChannelResponse:
         return pb.CloseChannelResponse(closed=self.collective.close(request.channel_id))
 
+    async def ConnectNixl(
+        self, request: pb.ConnectNixlRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NixlPool:
+        try:
+            self._authenticate(request.handle)
+            if not request.HasField("receiver_layout"):
+                raise InvalidArgument("ConnectNixl needs receiver_layout")
+            self.layout.check_matches(layout_from_proto(request.receiver_layout))
+            if self.nixl is None:
+                raise FailedPrecondition("this KV server does not serve transport 'nixl'")
+            return self.nixl.describe()
+        except PdServeError as exc:
+            await _abort(context, exc)
+
+    async def HoldKV(
+        self, request: pb.HoldKVRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVHeld]:
+        try:
+            if self.nixl is None:
+                raise FailedPrecondition("this KV server does not serve transport 'nixl'")
+            rid, _ = await self._pin(request)
+        except PdServeError as exc:
+            await _abort(context, exc)
+        try:
+            async for held in self.nixl.hold():
+                yield held
+        finally:
+            self.leases.end_fetch(rid)
+
     async def ReleaseKV(
         self, request: pb.ReleaseKVRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseKVResponse:
@@ -173,7 +225,9 @@ class KVServer(KVTransferServicer):
             raise Unauthenticated("bad capability token")
         return handle
 
-    async def _pin(self, request: pb.FetchKVRequest | pb.PushKVRequest) -> tuple[str, list[int]]:
+    async def _pin(
+        self, request: pb.FetchKVRequest | pb.PushKVRequest | pb.HoldKVRequest
+    ) -> tuple[str, list[int]]:
         """Check a presented handle against the token, the layouts and its lease, then pin the
         lease: (request id, block ids). The caller owes `leases.end_fetch(request id)`."""
         handle = self._authenticate(request.handle)
@@ -191,7 +245,7 @@ class KVServer(KVTransferServicer):
 
 def _add_servicer(servicer: KVServer, server: grpc.aio.Server) -> None:
     """`add_KVTransferServicer_to_server`, except that FetchKV sends the bytes its handler
-    yields as they are: they are `KVChunk` messages framed by `cluster.kv_transfer.kv_wire`, which
+    yields as they are: they are `KVChunk` messages framed by `cluster.kv_transfer.kv_frame`, which
     protobuf would copy twice more on the way out."""
     generated = _Handlers()
     add_KVTransferServicer_to_server(servicer, generated)

@@ -123,4 +123,5 @@ def stats_to_proto(stats: ClusterStats) -> pb.ClusterStats:
             )
             for s in stats.replicas
         ],
+        kv_transport=stats.kv_transport,
     )

@@ -35,6 +35,12 @@ class ClusterStats:
 
     pools: tuple[PoolStatus, ...]
     replicas: tuple[ReplicaStats, ...]
+    kv_transport: str = ""  # how KV moves between the pools; "" when colocated
+
+
+def kv_transport(config: AppConfig) -> str:
+    """The KV transport the app was built with ("auto" was decided then)."""
+    return "" if config.mode == "colocated" else config.transfer.transport
 
 
 async def pool_statuses(

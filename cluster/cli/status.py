@@ -18,7 +18,8 @@ def status_main(target: str, application: str | None = None) -> int:
     except grpc.RpcError as e:
         print(f"error ({e.code().name}): {e.details()}", file=sys.stderr)
         return 2
-    print(f"model {info.model_id}  mode {info.mode}  block_size {info.block_size}\n")
+    transport = f"  kv transport {stats.kv_transport}" if stats.kv_transport else ""
+    print(f"model {info.model_id}  mode {info.mode}  block_size {info.block_size}{transport}\n")
     _table(
         ("pool", "deployment", "replicas", "target", "min..max", "load (total / target each)"),
         [

@@ -89,15 +89,34 @@ class Engine:
             raise FailedPrecondition(
                 f"KV covers {kv.num_tokens} tokens, prompt has {len(request.prompt_token_ids)}"
             )
-        seq = self._new_sequence(request)
-        n = self.blocks.blocks_for(kv.num_tokens)
-        shape = (self.layout.num_layers, n, *self.layout.block_shape)
+        shape = (self.layout.num_layers, self.blocks.blocks_for(kv.num_tokens))
+        shape += self.layout.block_shape
         if tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
             raise FailedPrecondition(f"KV tensor shape {tuple(kv.k.shape)} is not {shape}")
-        if not self.blocks.reserve(seq, kv.num_tokens):
+        block_ids = self.reserve_import(request)
+        self.kv_cache.write(block_ids, kv.k, kv.v)
+        self.finish_import(request.request_id, first_token)
+
+    def reserve_import(self, request: Request) -> list[int]:
+        """Reserve free blocks for the prompt KV of `request`, computed elsewhere, and return
+        them in token order; a KV transport writes them (off the engine thread: nothing else
+        touches them) before `finish_import`. Until then the sequence is IMPORTING: never
+        scheduled, freed by `abort`. Raises InvalidArgument / ResourceExhausted."""
+        seq = self._new_sequence(request)
+        if not self.blocks.reserve(seq, seq.num_prompt_tokens):
+            n = self.blocks.blocks_for(seq.num_prompt_tokens)
             raise ResourceExhausted(f"no room to import {n} KV blocks")
-        self.kv_cache.write(seq.block_table, kv.k, kv.v)
-        seq.num_computed_tokens = kv.num_tokens
+        seq.status = SequenceStatus.IMPORTING
+        self.seqs[seq.request_id] = seq
+        return list(seq.block_table)
+
+    def finish_import(self, request_id: str, first_token: int) -> None:
+        """The reserved blocks of `request_id` hold its prompt KV: append the first token
+        sampled by the prefill side and decode from there. NotFound if nothing is reserved."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.IMPORTING:
+            raise NotFound(f"no KV import reserved for request {request_id!r}")
+        seq.num_computed_tokens = seq.num_prompt_tokens
         self.scheduler.register_blocks(seq, 0)
         self._admit(seq)
         self.scheduler.add_running(seq)
@@ -105,6 +124,14 @@ class Engine:
         out = self._append(seq, first_token)
         if out.finished:
             self._pending.append(replace(out, token_ids=()))
+
+    def cancel_import(self, request_id: str) -> bool:
+        """Free the blocks `reserve_import` reserved, unless the import was finished."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.IMPORTING:
+            return False
+        self._free(seq)
+        return True
 
     def _new_sequence(self, request: Request) -> Sequence:
         rid, ids = request.request_id, request.prompt_token_ids

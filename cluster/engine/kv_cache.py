@@ -69,6 +69,16 @@ class KVCache:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
         return self.k[layers, idx].contiguous(), self.v[layers, idx].contiguous()
 
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the keys and values of the blocks in one tensor, on the pool's device and
+        the current stream: `[2 (k, v), layers, len(block_ids), block_size, kv_heads, head_dim]`."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
+        out = torch.empty((2, self.layout.num_layers, len(block_ids), *self.layout.block_shape),
+                          dtype=self.k.dtype, device=self.k.device)  # fmt: skip
+        torch.index_select(self.k, 1, idx, out=out[0])
+        torch.index_select(self.v, 1, idx, out=out[1])
+        return out
+
     def write(
         self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, layers: slice = slice(None)
     ) -> None:

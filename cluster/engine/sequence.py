@@ -12,6 +12,7 @@ class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     HELD = "held"  # finished prefill; KV pinned for export
+    IMPORTING = "importing"  # blocks reserved; a KV transport is writing the prompt's KV
     FINISHED = "finished"
 
 

@@ -4,11 +4,11 @@
 The KV moves over a `KVChannel`: a two-rank process group with the prefill worker named in the
 handle (this side rank 1), opened on first use with `OpenChannel`, cached per endpoint and
 closed after `idle_seconds` unused (the prefill side is told with `CloseChannel`). Per transfer:
-`PushKV` announces the tensors; the announced dtype and shape are checked against our own
-layout and the handle before anything is allocated; then the keys and values are received
-straight into new tensors on `device` (the decode GPU under nccl: no host copy). One transfer
-per pair at a time. A channel the server no longer holds is reopened once; a broken one (peer
-gone, timeout, a cancelled transfer) is dropped and the fetch fails with Unavailable.
+`PushKV` announces the transfer; the announced dtype and shape are checked against our own
+layout and the handle before anything is allocated; then the keys and values are received, as
+one message, straight into a new tensor on `device` (the decode GPU under nccl: no host copy).
+One transfer per pair at a time. A channel the server no longer holds is reopened once; a broken
+one (peer gone, timeout, a cancelled transfer) is dropped and the fetch fails with Unavailable.
 
 The control calls (OpenChannel, PushKV, CloseChannel, ReleaseKV) go over gRPC: this client
 holds a `GrpcKVClient`, which also fetches the handles whose transport is "grpc" and releases
@@ -151,13 +151,12 @@ class CollectiveKVClient(KVClient):
             raise
         try:
             _check_announcement(response, layout, shape, handle)
-            k = torch.empty(shape, dtype=DTYPES[layout.dtype], device=self.device)
-            v = torch.empty_like(k)
-            await channel.recv(k, v, response.tag)
+            kv = torch.empty((2, *shape), dtype=DTYPES[layout.dtype], device=self.device)
+            await channel.recv(kv, response.tag)
         except BaseException:
             self.channels.drop(handle.endpoint, channel)
             raise
-        return k, v
+        return kv[0], kv[1]
 
     # -- channels ----------------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 `fetch` streams the KV named by a `KVHandle` from the prefill worker's `KVServer` (FetchKV) and
 checks it chunk by chunk against the receiver's own layout (`kv_wire.ChunkAssembler`) before
-copying; `release` is a ReleaseKV call. The channels to the servers are `KVServerStubs`.
+copying; `fetch_into` copies each chunk straight into the caller's (host) pool blocks, the one
+copy on this side. Chunk checksums are asked for and checked only with `checksum`. `release`
+is a ReleaseKV call. The channels to the servers are `KVServerStubs`.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import logging
 
 import grpc
 
-from cluster.engine.kv_cache import KVExport, KVLayout
+from cluster.engine.kv_cache import KVCache, KVExport, KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument, Unavailable
-from cluster.kv_transfer.kv_client import KVClient
+from cluster.kv_transfer.kv_client import KVClient, settle
+from cluster.kv_transfer.kv_frame import decode_frame
 from cluster.kv_transfer.kv_handle import KVHandle, layout_to_proto
 from cluster.kv_transfer.kv_server_stubs import KVServerStubs, rpc_error
-from cluster.kv_transfer.kv_wire import ChunkAssembler, decode_frame, unit_bytes
+from cluster.kv_transfer.kv_wire import ChunkAssembler, unit_bytes
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -31,9 +34,11 @@ class GrpcKVClient(KVClient):
         *,
         max_blocks: int = 1 << 16,
         idle_seconds: float = 60.0,
+        checksum: bool = False,
     ):
         """`max_blocks` caps the KV one fetch may allocate (the decode pool's size is apt);
-        every call has a `timeout_s` deadline; a channel unused for `idle_seconds` is closed."""
+        every call has a `timeout_s` deadline; a channel unused for `idle_seconds` is closed;
+        with `checksum` every chunk's checksum is asked for and checked."""
         if min(max_chunk_bytes, timeout_s, max_blocks, idle_seconds) <= 0:
             raise InvalidArgument(
                 "max_chunk_bytes, timeout_s, max_blocks and idle_seconds must be positive"
@@ -41,35 +46,52 @@ class GrpcKVClient(KVClient):
         self.max_chunk_bytes = max_chunk_bytes
         self.timeout_s = timeout_s
         self.max_blocks = max_blocks
+        self.checksum = checksum
         self.stubs = KVServerStubs(max_chunk_bytes, timeout_s, idle_seconds)
 
     async def fetch(self, handle: KVHandle, receiver_layout: KVLayout) -> KVExport:
         """The KV of `handle`, checked against `receiver_layout`. The lease stays held."""
-        receiver_layout.check_matches(handle.layout)
-        if unit_bytes(receiver_layout) > self.max_chunk_bytes:
+        return await self._stream(handle, receiver_layout, None)
+
+    async def fetch_into(self, handle: KVHandle, pool: KVCache, block_ids: list[int]) -> int:
+        """The KV of `handle`, each chunk copied straight into `block_ids` of `pool` (a GPU
+        pool: fetched, then copied in). Waits for its copies even if cancelled."""
+        if pool.k.device.type != "cpu":
+            return await super().fetch_into(handle, pool, block_ids)
+        await self._stream(handle, pool.layout, (pool.k, pool.v, block_ids))
+        return len(block_ids) * pool.layout.num_layers * unit_bytes(pool.layout)
+
+    async def _stream(self, handle: KVHandle, layout: KVLayout, into) -> KVExport:
+        layout.check_matches(handle.layout)
+        if unit_bytes(layout) > self.max_chunk_bytes:
             raise FailedPrecondition(
                 f"max_chunk_bytes={self.max_chunk_bytes} is below one block of one layer"
             )
         assembler = ChunkAssembler(
-            receiver_layout, len(handle.block_ids), handle.num_tokens, self.max_blocks
+            layout,
+            len(handle.block_ids),
+            handle.num_tokens,
+            self.max_blocks,
+            verify_checksum=self.checksum,
+            into=into,
         )
         request = pb.FetchKVRequest(
             handle=handle.to_proto(),
-            receiver_layout=layout_to_proto(receiver_layout),
+            receiver_layout=layout_to_proto(layout),
             max_chunk_bytes=self.max_chunk_bytes,
+            checksum=self.checksum,
         )
         call = self.stubs.fetch_kv(handle.endpoint)(request, timeout=self.timeout_s)
-        adding: asyncio.Future | None = None
+        loop = asyncio.get_running_loop()
+        adding: asyncio.Future | None = None  # never cancelled: a copy may be writing a pool
         try:
             # Each chunk is checked and copied on a worker thread while the next one arrives.
             async for frame in call:
                 if adding is not None:
-                    await adding
-                adding = asyncio.ensure_future(
-                    asyncio.to_thread(assembler.add, *decode_frame(frame))
-                )
+                    await asyncio.shield(adding)
+                adding = loop.run_in_executor(None, assembler.add, *decode_frame(frame))
             if adding is not None:
-                await adding
+                await asyncio.shield(adding)
             return assembler.finish()
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, handle) from None
@@ -82,7 +104,7 @@ class GrpcKVClient(KVClient):
             if not call.done():
                 call.cancel()
             if adding is not None:
-                await asyncio.gather(adding, return_exceptions=True)
+                await settle(asyncio.gather(adding, return_exceptions=True))
 
     async def release(self, handle: KVHandle, reason: str) -> bool:
         """ReleaseKV ("fetched" or "aborted"). Best effort: False if nothing was freed or the

@@ -8,17 +8,26 @@ the KV stays on the GPU end to end; "gloo" runs the same code on host memory.
 
 Every collective call of a channel runs on the channel's own worker thread, in submission
 order, so transfers on one pair never interleave (nccl matches sends and receives by order,
-not by tag) and never block the event loop or the default executor. The owner keeps `busy`
-above zero while a transfer is in flight (so the idle cache leaves it alone) and `last_used`
-fresh. A failed call closes the channel and raises Unavailable; a closed channel never carries
-another transfer (open a new one). `close` is idempotent and tears the group down after
-whatever call is already running on the worker thread.
+not by tag) and never block the event loop or the default executor. A transfer is one message:
+the keys and values of every layer in one tensor `[2, layers, blocks, block_size, kv_heads,
+head_dim]`. Under "nccl" the channel has its own CUDA stream: the sender's gather of the pool's
+blocks waits there on an event recorded after the prefill step that wrote them (never on the
+default stream), the receiver's receive waits on the work that allocated its buffer, and each
+end synchronizes only that stream before the data is used. `join` ends with a one-element
+exchange, so the communicator (NCCL's, or gloo's pair) is set up when the channel opens, not on
+the first transfer; "gloo" runs all of this through the same code, streams aside.
+
+The owner keeps `busy` above zero while a transfer is in flight (so the idle cache leaves it
+alone) and `last_used` fresh. A failed call closes the channel and raises Unavailable; a closed
+channel never carries another transfer (open a new one). `close` is idempotent and tears the
+group down after whatever call is already running on the worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import datetime
 import logging
 import queue
@@ -37,6 +46,7 @@ log = logging.getLogger(__name__)
 
 DIRECT_TRANSPORTS = ("gloo", "nccl")
 PREFILL_RANK, DECODE_RANK = 0, 1
+_WARM_UP_TAG = 1 << 30  # above every transfer's tag (`next_tag`)
 _ANY_HOST = ("", "0.0.0.0", "::")
 
 
@@ -95,29 +105,34 @@ class KVChannel:
         self._next_tag = 0
         self._group: Any = None  # ProcessGroupGloo | ProcessGroupNCCL once joined
         self._store: dist.Store | None = None
+        self.stream: torch.cuda.Stream | None = None  # nccl: the channel's own, from `join`
         self._worker = _SerialWorker(f"pdserve-kv-{transport}-{channel_id[:8]}")
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
     def next_tag(self) -> int:
-        """Tags of the next transfer's keys; values use tag + 1 (sender side)."""
+        """The tag of the next transfer (sender side); even, below 2^30."""
         tag = self._next_tag
         self._next_tag = (self._next_tag + 2) % (1 << 30)
         return tag
 
     async def join(self, store: Callable[[], dist.Store], local_host: str) -> None:
-        """Join the group: blocks (off the loop) until the peer joins too, or the timeout.
-        `store()` is called on the worker thread and must return the channel's store."""
+        """Join the group and set up its communicator: blocks (off the loop) until the peer
+        has joined too, or the timeout. `store()` is called on the worker thread and must
+        return the channel's store."""
         await self._call(self._join, store, local_host)
 
-    async def send(self, k: torch.Tensor, v: torch.Tensor, tag: int) -> None:
-        """Send keys (tag) then values (tag + 1) to the peer; returns once both are out."""
-        await self._call(self._transfer, "send", k, v, tag)
+    async def send(
+        self, gather: Callable[[], torch.Tensor], tag: int, ready: torch.cuda.Event | None
+    ) -> None:
+        """Send `gather()` (keys and values in one tensor, on `device`) to the peer; `gather`
+        runs on the channel's stream after `ready` (recorded where the KV was written)."""
+        await self._call(self._send, gather, tag, ready)
 
-    async def recv(self, k: torch.Tensor, v: torch.Tensor, tag: int) -> None:
-        """Fill `k` and `v` (allocated by the caller, on `device`) from the peer."""
-        await self._call(self._transfer, "recv", k, v, tag)
+    async def recv(self, kv: torch.Tensor, tag: int) -> None:
+        """Fill `kv` (allocated by the caller, on `device`) from the peer."""
+        await self._call(self._recv, kv, tag)
 
     def close(self) -> None:
         if self.closed:
@@ -150,21 +165,47 @@ class KVChannel:
             options._timeout = self.timeout
             options._devices = [_gloo_device(local_host)]
             self._group = dist.ProcessGroupGloo(self._store, self.rank, 2, options)
-        else:  # nccl: its communicator is created on the first send / recv, on this device
+        else:
             torch.cuda.set_device(self.device)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             self._group = dist.ProcessGroupNCCL(self._store, self.rank, 2, options)
+            self.stream = torch.cuda.Stream(self.device)
+        # One element each way now: the communicator is made here, not on the first transfer.
+        probe = torch.zeros(1, device=self.device)
+        if self.rank == PREFILL_RANK:
+            self._send(lambda: probe, _WARM_UP_TAG, None)
+        else:
+            self._recv(probe, _WARM_UP_TAG)
 
-    def _transfer(self, op: str, k: torch.Tensor, v: torch.Tensor, tag: int) -> None:
+    def _send(
+        self, gather: Callable[[], torch.Tensor], tag: int, ready: torch.cuda.Event | None
+    ) -> None:
+        with self._on_stream():
+            if ready is not None and self.stream is not None:
+                self.stream.wait_event(ready)
+            kv = gather()  # kept alive until the send is complete
+            self._group.send([kv], self.peer, tag).wait(self.timeout)
+        self._settle()
+
+    def _recv(self, kv: torch.Tensor, tag: int) -> None:
+        if self.stream is not None:  # after the work that allocated (and last used) `kv`
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_stream():
+            self._group.recv([kv], self.peer, tag).wait(self.timeout)
+        self._settle()
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
         if self._group is None:
             raise RuntimeError("the channel's group is not joined")
-        call = self._group.send if op == "send" else self._group.recv
-        works = [call([k], self.peer, tag), call([v], self.peer, tag + 1)]
-        for work in works:
-            work.wait(self.timeout)
-        if k.is_cuda:  # the peer's data (or our send) is complete before anyone reads on
-            torch.cuda.current_stream(k.device).synchronize()
+        return (
+            torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        )
+
+    def _settle(self) -> None:
+        """The transfer is complete on this end before anyone uses (or frees) its tensor."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def _teardown(self) -> None:
         group, self._group, self._store = self._group, None, None

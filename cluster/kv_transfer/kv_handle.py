@@ -16,7 +16,7 @@ from cluster.engine.kv_cache import KVLayout
 from cluster.errors import InvalidArgument
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
-TRANSPORTS = ("grpc", "gloo", "nccl")
+TRANSPORTS = ("grpc", "nixl", "gloo", "nccl")
 _U32 = 1 << 32
 
 

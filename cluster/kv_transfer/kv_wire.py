@@ -6,8 +6,8 @@ into the handle's block list, not block ids) as one C-contiguous little-endian t
 map with exactly the keys of `HEADER_KEYS` (see `KVChunk` in kv_transfer.proto); its checksum
 is `checksum(data)`.
 
-On the wire a chunk is a `KVChunk` message, encoded and parsed here (`encode_frame`,
-`decode_frame`) rather than by protobuf, which would copy the data twice more on each side.
+On the wire a chunk is a `KVChunk` message, encoded and parsed by `kv_frame` rather than by
+protobuf, which would copy the data twice more on each side.
 
 The receiver trusts nothing: `ChunkAssembler` sizes its buffers from its own layout and the
 handle, and checks every header field, the byte length and the checksum of a chunk before
@@ -26,6 +26,7 @@ import torch
 
 from cluster.engine.kv_cache import KVExport, KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument
+from cluster.kv_transfer.kv_checksum import checksum
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -130,8 +131,14 @@ def gather_chunks(
     return out
 
 
-def chunk_header(r: ChunkRange, data: np.ndarray, dtype: str) -> bytes:
-    """The msgpack header of the chunk `r` whose wire bytes are `data` (from `gather_chunks`)."""
+def chunk_header(
+    r: ChunkRange, data: np.ndarray | PoolSlices, dtype: str, with_checksum: bool = True
+) -> bytes:
+    """The msgpack header of the chunk `r` whose wire bytes are `data` (from `gather_chunks`
+    or `pool_slices`); its checksum is 0 unless `with_checksum` (a pass over the data, ~10
+    GB/s; gathered data only)."""
+    if with_checksum and not isinstance(data, np.ndarray):
+        raise InvalidArgument("a chunk checksum needs the chunk's data gathered")
     header = {
         "layer_start": r.layer_start,
         "layer_end": r.layer_end,
@@ -140,9 +147,39 @@ def chunk_header(r: ChunkRange, data: np.ndarray, dtype: str) -> bytes:
         "dtype": dtype,
         "shape": list(data.shape),
         "nbytes": data.nbytes,
-        "checksum": checksum(data),
+        "checksum": checksum(data) if with_checksum else 0,
     }
     return msgpack.packb(header)
+
+
+class PoolSlices(NamedTuple):
+    """A chunk's wire bytes still in a host pool: one view per (layer, keys or values)."""
+
+    shape: tuple[int, ...]
+    nbytes: int
+    pieces: list[memoryview]
+
+
+def pool_slices(
+    k: torch.Tensor, v: torch.Tensor, block_ids: Sequence[int], r: ChunkRange
+) -> PoolSlices | None:
+    """Chunk `r` of the blocks `block_ids` of a contiguous host pool as views into it, when
+    its blocks are consecutive in the pool (as a fresh pool hands them out): framing then
+    copies each byte once, straight from the pool. None otherwise (gather them)."""
+    ids = list(block_ids[r.block_start : r.block_end])
+    if k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+        return None
+    if ids != list(range(ids[0], ids[0] + len(ids))) or ids[-1] >= k.shape[1]:
+        return None
+    src = (_host_array(k), _host_array(v))
+    end = ids[0] + len(ids)
+    pieces = [
+        memoryview(src[kv][layer, ids[0] : end]).cast("B")
+        for layer in range(r.layer_start, r.layer_end)
+        for kv in (0, 1)
+    ]
+    shape = (r.layer_end - r.layer_start, 2, len(ids), *k.shape[2:])
+    return PoolSlices(shape, sum(p.nbytes for p in pieces), pieces)
 
 
 def encode_chunks(
@@ -171,9 +208,21 @@ class ChunkAssembler:
     `num_blocks` and `num_tokens` come from the handle; `max_blocks` is the caller's cap (e.g.
     its pool size), checked before anything is allocated. `add` raises FailedPrecondition when
     a chunk disagrees with the layout (dtype, shape) and InvalidArgument when it is malformed;
-    either way nothing of that chunk has been copied."""
+    either way nothing of that chunk has been copied. With `verify_checksum` it also checks
+    each chunk's checksum (the sender was asked for them). With `into` = (k, v, block ids) of
+    a host pool (`[layers, pool blocks, ...]`, contiguous) each chunk is copied straight into
+    those blocks of the pool (token order) instead of new tensors: one copy on this side."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, num_tokens: int, max_blocks: int) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        num_tokens: int,
+        max_blocks: int,
+        *,
+        verify_checksum: bool = True,
+        into: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
+    ) -> None:
         _check_byteorder()
         self.unit_bytes = unit_bytes(layout)
         for name, x in (("num_blocks", num_blocks), ("num_tokens", num_tokens)):
@@ -190,13 +239,20 @@ class ChunkAssembler:
         self.num_blocks = num_blocks
         self.num_tokens = num_tokens
         self.dtype = DTYPES[layout.dtype]
-        shape = (layout.num_layers, num_blocks, *layout.block_shape)
-        # Allocated by numpy, which asks for huge pages: first-touch page faults on a fresh
-        # torch.empty cost more than the copy into it (47 MB: 30 ms against 12 ms).
-        raw = _RAW_INT[self.dtype.itemsize]
-        self._k_np, self._v_np = np.empty(shape, dtype=raw), np.empty(shape, dtype=raw)
-        self.k = torch.from_numpy(self._k_np).view(self.dtype)  # views: writes land in both
-        self.v = torch.from_numpy(self._v_np).view(self.dtype)
+        self.verify_checksum = verify_checksum
+        self._targets: np.ndarray | None = None
+        if into is not None:
+            self.k, self.v, ids = into
+            self._k_np, self._v_np = _pool_views(self.k, self.v, layout, num_blocks, ids)
+            self._targets = np.asarray(ids, dtype=np.intp)
+        else:
+            shape = (layout.num_layers, num_blocks, *layout.block_shape)
+            # Allocated by numpy, which asks for huge pages: first-touch page faults on a fresh
+            # torch.empty cost more than the copy into it (47 MB: 30 ms against 12 ms).
+            raw = _RAW_INT[self.dtype.itemsize]
+            self._k_np, self._v_np = np.empty(shape, dtype=raw), np.empty(shape, dtype=raw)
+            self.k = torch.from_numpy(self._k_np).view(self.dtype)  # views: writes land in both
+            self.v = torch.from_numpy(self._v_np).view(self.dtype)
         self._covered = torch.zeros((layout.num_layers, num_blocks), dtype=torch.bool)
         self.bytes_received = 0
         self._finished = False
@@ -226,15 +282,17 @@ class ChunkAssembler:
         if bool(self._covered[l0:l1, b0:b1].any()):
             raise InvalidArgument(f"KV chunk layers [{l0}, {l1}) x blocks [{b0}, {b1}) repeats")
         piece = np.frombuffer(data, dtype=self._k_np.dtype).reshape(shape)
-        if checksum(piece) != h["checksum"]:
+        if self.verify_checksum and checksum(piece) != h["checksum"]:
             raise InvalidArgument("KV chunk checksum mismatch")
-        self._k_np[l0:l1, b0:b1] = piece[:, 0]
-        self._v_np[l0:l1, b0:b1] = piece[:, 1]
+        blocks = self._blocks(b0, b1)
+        self._k_np[l0:l1, blocks] = piece[:, 0]
+        self._v_np[l0:l1, blocks] = piece[:, 1]
         self._covered[l0:l1, b0:b1] = True
         self.bytes_received += nbytes
 
     def finish(self) -> KVExport:
-        """The assembled KV; InvalidArgument unless every (layer, block) arrived exactly once."""
+        """The assembled KV; InvalidArgument unless every (layer, block) arrived exactly once.
+        With `into`, the KV is in the pool's blocks and `k`, `v` are the whole pool."""
         missing = int((~self._covered).sum())
         if missing:
             raise InvalidArgument(
@@ -243,6 +301,32 @@ class ChunkAssembler:
             )
         self._finished = True
         return KVExport(self.layout, self.num_tokens, self.k, self.v)
+
+    def _blocks(self, b0: int, b1: int) -> slice | np.ndarray:
+        """Where block indexes [b0, b1) of the handle land: a slice when they are contiguous
+        (a plain copy), else the pool's block ids (a scatter)."""
+        if self._targets is None:
+            return slice(b0, b1)
+        ids = self._targets[b0:b1]
+        if ids[-1] - ids[0] == b1 - b0 - 1 and bool(np.all(np.diff(ids) == 1)):
+            return slice(int(ids[0]), int(ids[-1]) + 1)
+        return ids
+
+
+def _pool_views(
+    k: torch.Tensor, v: torch.Tensor, layout: KVLayout, num_blocks: int, ids: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Writable numpy views of a host pool that an assembler may fill at blocks `ids`."""
+    shape = (layout.num_layers, k.shape[1] if k.dim() == 5 else -1, *layout.block_shape)
+    if k.dim() != 5 or tuple(k.shape) != shape or k.shape != v.shape:
+        raise InvalidArgument(f"KV pool of shape {tuple(k.shape)} is not {shape}")
+    if k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+        raise InvalidArgument("KV chunks are assembled into a contiguous host pool only")
+    if k.dtype != DTYPES[layout.dtype] or v.dtype != k.dtype:
+        raise FailedPrecondition(f"KV pool dtype {k.dtype} is not {layout.dtype}")
+    if len(ids) != num_blocks or not all(0 <= b < k.shape[1] for b in ids):
+        raise InvalidArgument(f"{len(ids)} pool blocks for {num_blocks} KV blocks, or out of range")
+    return _host_array(k), _host_array(v)
 
 
 def _decode_header(raw: bytes) -> dict:
@@ -289,103 +373,3 @@ _RAW_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 def _check_byteorder() -> None:
     if sys.byteorder != "little":
         raise FailedPrecondition("the KV wire format is little-endian; this host is not")
-
-
-# -- framing: a KVChunk message, by hand ---------------------------------------------------
-
-_HEADER_TAG = b"\x0a"  # KVChunk field 1 (header), wire type 2 (length-delimited)
-_DATA_TAG = b"\x12"  # KVChunk field 2 (data), wire type 2
-
-
-def encode_frame(header: bytes, data: np.ndarray | memoryview | bytes) -> bytes:
-    """The `KVChunk(header=header, data=data)` message in protobuf wire form, as
-    `SerializeToString` writes it, with a single copy of `data`."""
-    view = memoryview(data).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
-    return b"".join(
-        (_HEADER_TAG, _varint(len(header)), header, _DATA_TAG, _varint(view.nbytes), view)
-    )
-
-
-def decode_frame(raw: bytes) -> tuple[bytes, memoryview]:
-    """(header, data) of a `KVChunk` in wire form, data as a view into `raw`. Only the form
-    `encode_frame` writes is accepted: both fields, non-empty, once each, in order."""
-    view = memoryview(raw)
-    pos = 0
-    fields = []
-    for tag in (_HEADER_TAG, _DATA_TAG):
-        if view[pos : pos + 1] != tag:
-            raise InvalidArgument("KV chunk is not a KVChunk(header, data) message")
-        length, pos = _read_varint(view, pos + 1)
-        if not 0 < length <= len(view) - pos:
-            raise InvalidArgument("KV chunk field length is zero or past the end of the message")
-        fields.append(view[pos : pos + length])
-        pos += length
-    if pos != len(view):
-        raise InvalidArgument("KV chunk has bytes after its data")
-    header, data = fields
-    return bytes(header), data
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(0x80 | (n & 0x7F))
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
-    n = shift = 0
-    for i in range(pos, min(pos + 5, len(view))):  # 5 bytes hold any length under 2^35
-        n |= (view[i] & 0x7F) << shift
-        if not view[i] & 0x80:
-            return n, i + 1
-        shift += 7
-    raise InvalidArgument("KV chunk has a malformed or oversized length")
-
-
-# -- checksum ------------------------------------------------------------------------------
-
-_ROW_WORDS = 4096  # row length of the 2-D reductions; the checksum does not depend on it
-_COL_WEIGHTS = np.arange(1, _ROW_WORDS + 1, dtype=np.uint64)
-_M32 = 0xFFFFFFFF
-
-
-def checksum(data: np.ndarray | memoryview | bytes) -> int:
-    """Fletcher-64-style checksum of `data`, computed with numpy at memory speed (~10 GB/s;
-    zlib.crc32 runs at ~1.6 GB/s and was a third of a fetch's CPU time).
-
-    With w_0..w_{n-1} the little-endian 32-bit words of `data` (a trailing partial word padded
-    with zero bytes), A = sum(w_i) mod 2^32 and B = sum((i + 1) * w_i) mod 2^32; the checksum is
-    B << 32 | A. Any change confined to one word (a flipped byte or bit, a burst of up to 4
-    bytes) changes A. Swapped or misplaced words change B unless (j - i) * (w_i - w_j) is
-    divisible by 2^32. Trailing zero bytes are not seen (padding), so the byte length is
-    checked separately, as `ChunkAssembler` does with the header's `nbytes`.
-
-    B is computed without a weight array: with the words as rows of `_ROW_WORDS` (R), word
-    r*R + c weighs r*R + (c + 1), so B = R * sum(r * rowsum_r) + sum((c + 1) * colsum_c)."""
-    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-    raw = raw.reshape(-1).view(np.uint8)
-    n_full, tail = divmod(raw.size, 4)
-    words = raw[: 4 * n_full].view("<u4")
-    if tail:
-        last = np.zeros(4, dtype=np.uint8)
-        last[:tail] = raw[4 * n_full :]
-        words = np.concatenate((words, last.view("<u4")))
-    rows = words.size // _ROW_WORDS
-    grid = words[: rows * _ROW_WORDS].reshape(rows, _ROW_WORDS)
-    rest = words[rows * _ROW_WORDS :].astype(np.uint64)
-    # uint32 sums wrap mod 2^32, uint64 ones mod 2^64: both agree mod 2^32, all that is kept.
-    row_sums = grid.sum(axis=1, dtype=np.uint32).astype(np.uint64)
-    col_sums = grid.sum(axis=0, dtype=np.uint32).astype(np.uint64)
-    r_weights = np.arange(rows, dtype=np.uint64)
-    t_weights = np.arange(1, rest.size + 1, dtype=np.uint64)
-    a = int(row_sums.sum(dtype=np.uint64)) + int(rest.sum(dtype=np.uint64))
-    b = (
-        _ROW_WORDS * int((r_weights * row_sums).sum(dtype=np.uint64))
-        + int((_COL_WEIGHTS * col_sums).sum(dtype=np.uint64))
-        + rows * _ROW_WORDS * int(rest.sum(dtype=np.uint64))
-        + int((t_weights * rest).sum(dtype=np.uint64))
-    )
-    return (b & _M32) << 32 | (a & _M32)

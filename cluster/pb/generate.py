@@ -13,6 +13,8 @@ Run `python -m cluster.pb.generate` after editing any `.proto` file and commit t
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,7 +37,6 @@ def generate(out_root: Path) -> list[Path]:
     """
     # grpcio-tools is a dev dependency: import it only when generating.
     import grpc_tools
-    from grpc_tools import protoc
 
     sources = sorted(PROTO_ROOT.rglob("*.proto"))
     if not sources:
@@ -53,7 +54,9 @@ def generate(out_root: Path) -> list[Path]:
             f"--grpc_python_out={raw}",
             *(str(source) for source in sources),
         ]
-        if protoc.main(args) != 0:
+        # In a child process: protoc crashes in a process that has loaded NIXL, whose bundled
+        # abseil clashes with the one grpcio-tools links (a test session loads both).
+        if subprocess.run([sys.executable, "-m", *args], check=False).returncode != 0:
             raise RuntimeError(f"protoc failed: {' '.join(args)}")
 
         proto_packages = sorted({p.parent.relative_to(raw) for p in _generated_files(raw)})

@@ -6,6 +6,7 @@ same settings come from Python, from `serve run`/`serve deploy` files and from t
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from cluster.serving.autoscaling import (
 from cluster.serving.cpu_affinity import parse_cpu_list
 
 Mode = Literal["disaggregated", "colocated"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,22 @@ class PoolConfig:
         return opts
 
 
+def auto_transport(mode: Mode) -> str:
+    """The KV transport "auto" stands for: "nixl" where NIXL imports and two agents here move
+    bytes to each other through UCX (which, across nodes, takes TCP wherever gRPC reaches;
+    a decode worker that still cannot load a prefill agent fetches over gRPC), else "grpc".
+    A colocated app moves no KV: "grpc", unprobed."""
+    if mode == "colocated":
+        return "grpc"
+    from cluster.kv_transfer.nixl_pool import probe
+
+    why_not = probe()
+    if why_not:
+        log.warning("KV transport: grpc (%s)", why_not)
+        return "grpc"
+    return "nixl"
+
+
 @dataclass(frozen=True)
 class AppConfig:
     model: ModelConfig
@@ -123,12 +141,16 @@ class AppConfig:
             raise InvalidArgument("transport nccl moves KV between GPUs: it needs device cuda")
 
     def resolved(self) -> AppConfig:
-        """Fill what is derived at build time: the capability secret (one per application)
-        and each pool's default autoscaling signals."""
+        """Fill what is derived at build time: the KV transport if "auto" (`auto_transport`),
+        the capability secret (one per application) and each pool's default autoscaling
+        signals."""
         config = self
-        if not self.transfer.secret:
+        if self.transfer.transport == "auto":
+            transport = auto_transport(self.mode)
+            config = replace(config, transfer=replace(config.transfer, transport=transport))
+        if not config.transfer.secret:
             secret = secrets.token_hex(32)
-            config = replace(config, transfer=replace(self.transfer, secret=secret))
+            config = replace(config, transfer=replace(config.transfer, secret=secret))
         return replace(
             config,
             router=config.router.with_default_targets(ROUTER_TARGETS),

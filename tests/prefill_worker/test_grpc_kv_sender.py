@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cluster.errors import Unavailable
-from cluster.kv_transfer.kv_wire import chunk_header, encode_frame
+from cluster.kv_transfer.kv_frame import decode_frame, encode_frame
 from prefill_worker import grpc_kv_sender
 from tests.prefill_worker.kv_pair import colocated, pair, prompt, run
 
@@ -21,32 +21,35 @@ def test_corrupted_or_mislabelled_chunks_are_refused_as_unavailable(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A chunk damaged between the pool and the decode side fails the fetch as a malformed
-    stream (Unavailable, so the router may retry from prefill); the lease survives it."""
+    stream (Unavailable, so the router may retry from prefill); the lease survives it. Damaged
+    bytes are seen with `checksum` on; headers and sizes are checked either way."""
     good_frame = grpc_kv_sender._frame
 
-    def flip_a_byte(r, data, dtype):
-        frame = bytearray(good_frame(r, data, dtype))
+    def flip_a_byte(r, data, dtype, checksum):
+        frame = bytearray(good_frame(r, data, dtype, checksum))
         frame[-1] ^= 0x10
         return bytes(frame)
 
-    def lie_about_nbytes(r, data, dtype):
-        header = msgpack.unpackb(chunk_header(r, data, dtype))
+    def lie_about_nbytes(r, data, dtype, checksum):
+        raw, body = decode_frame(good_frame(r, data, dtype, checksum))
+        header = msgpack.unpackb(raw)
         header["nbytes"] += 4
-        return encode_frame(msgpack.packb(header), data.tobytes() + bytes(4))
+        return encode_frame(msgpack.packb(header), bytes(body) + bytes(4))
 
-    def bad_frame(r, data, dtype):
-        return good_frame(r, data, dtype)[:-1]
+    def bad_frame(r, data, dtype, checksum):
+        return good_frame(r, data, dtype, checksum)[:-1]
 
     async def main() -> None:
         async with pair(llama_dir) as p:
             ids = prompt(40, 11)
             handle = await p.prefill_handle("r1", ids)
-            for tamper, match in [
-                (flip_a_byte, "checksum"),
-                (lie_about_nbytes, "needs .* bytes"),
-                (bad_frame, "KVChunk|past the end"),
+            for checksum, tamper, match in [
+                (True, flip_a_byte, "checksum"),
+                (False, lie_about_nbytes, "needs .* bytes"),
+                (False, bad_frame, "KVChunk|past the end"),
             ]:
                 monkeypatch.setattr(grpc_kv_sender, "_frame", tamper)
+                p.client.checksum = checksum
                 with pytest.raises(Unavailable, match=match):
                     await p.client.fetch(handle, p.decode.layout)
             monkeypatch.setattr(grpc_kv_sender, "_frame", good_frame)

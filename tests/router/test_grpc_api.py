@@ -65,7 +65,8 @@ def test_model_info_describes_the_served_model():
 def test_stats_fill_pools_and_replicas():
     pool = PoolStatus("decode", "Decode", 1, 2, 1, 4, (("running", 3.0, 6.0),))
     replica = ReplicaStats("decode", "d0", 100, 10, 2, 3, 1, 40, kv_blocks_cached=5)
-    msg = stats_to_proto(ClusterStats((pool,), (replica,)))
+    msg = stats_to_proto(ClusterStats((pool,), (replica,), kv_transport="nixl"))
+    assert msg.kv_transport == "nixl"
     (p,) = msg.pools
     assert (p.pool, p.deployment, p.current_replicas, p.target_replicas) == (
         "decode",

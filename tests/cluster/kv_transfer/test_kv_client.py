@@ -22,3 +22,32 @@ def test_each_transport_gets_its_client_behind_the_one_interface() -> None:
     assert gloo_client.max_blocks == grpc_client.max_blocks == 8
     asyncio.run(grpc_client.close())
     asyncio.run(gloo_client.close())
+
+
+def test_nixl_registers_the_decode_pool_and_grpc_checksums_only_when_asked() -> None:
+    from cluster.engine.kv_cache import KVCache, KVLayout
+    from cluster.kv_transfer.nixl_kv_client import NixlKVClient
+
+    cpu = torch.device("cpu")
+    layout = KVLayout("m", "float32", 2, 2, 8, 16)
+    pool = KVCache(layout, 4, torch.float32, cpu)
+    nixl_client = make_kv_client(TransferConfig(transport="nixl"), cpu, max_blocks=4, pool=pool)
+    assert type(nixl_client) is NixlKVClient and nixl_client.region.num_blocks == 4
+    assert nixl_client.region.mem_type == "DRAM"
+    asyncio.run(nixl_client.close())
+    plain = make_kv_client(TransferConfig(transport="grpc"), cpu, max_blocks=8)
+    checked = make_kv_client(TransferConfig(transport="grpc", checksum=True), cpu, max_blocks=8)
+    assert not plain.checksum and checked.checksum
+    asyncio.run(plain.close())
+    asyncio.run(checked.close())
+
+
+def test_auto_is_nixl_where_two_agents_reach_each_other(monkeypatch) -> None:
+    from cluster.kv_transfer import nixl_pool
+    from cluster.serving.app_config import auto_transport
+
+    assert nixl_pool.probe() == ""
+    assert auto_transport("disaggregated") == "nixl"
+    assert auto_transport("colocated") == "grpc"
+    monkeypatch.setattr(nixl_pool, "probe", lambda: "no UCX here")
+    assert auto_transport("disaggregated") == "grpc"

@@ -10,14 +10,13 @@ import torch
 
 from cluster.engine.kv_cache import KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument
+from cluster.kv_transfer.kv_frame import decode_frame, encode_frame
 from cluster.kv_transfer.kv_wire import (
     MAX_HEADER_BYTES,
     ChunkAssembler,
     checksum,
     chunk_ranges,
-    decode_frame,
     encode_chunks,
-    encode_frame,
     gather_chunks,
     unit_bytes,
 )

@@ -96,6 +96,8 @@ def test_kv_transfer_service_shape() -> None:
         "OpenChannel": ("OpenChannelRequest", "OpenChannelResponse", False, False),
         "PushKV": ("PushKVRequest", "PushKVResponse", False, False),
         "CloseChannel": ("CloseChannelRequest", "CloseChannelResponse", False, False),
+        "ConnectNixl": ("ConnectNixlRequest", "NixlPool", False, False),
+        "HoldKV": ("HoldKVRequest", "KVHeld", False, True),
     }
 
 

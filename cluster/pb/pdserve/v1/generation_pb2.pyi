@@ -143,12 +143,14 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("replicas", "pools")
+    __slots__ = ("replicas", "pools", "kv_transport")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+    kv_transport: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("pool", "deployment", "current_replicas", "target_replicas", "min_replicas", "max_replicas", "signals")

@@ -47,14 +47,16 @@ class KVHandle(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expiry_unix: _Optional[float] = ..., capability_token: _Optional[bytes] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
-    __slots__ = ("handle", "receiver_layout", "max_chunk_bytes")
+    __slots__ = ("handle", "receiver_layout", "max_chunk_bytes", "checksum")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     handle: KVHandle
     receiver_layout: KVLayout
     max_chunk_bytes: int
-    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    checksum: bool
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., checksum: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -129,3 +131,51 @@ class CloseChannelResponse(_message.Message):
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     closed: bool
     def __init__(self, closed: _Optional[bool] = ...) -> None: ...
+
+class ConnectNixlRequest(_message.Message):
+    __slots__ = ("handle", "receiver_layout")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    handle: KVHandle
+    receiver_layout: KVLayout
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class NixlPool(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "mem_type", "device_id", "k_base", "v_base", "layer_stride", "block_stride", "block_bytes", "num_layers", "num_blocks")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    K_BASE_FIELD_NUMBER: _ClassVar[int]
+    V_BASE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str
+    device_id: int
+    k_base: int
+    v_base: int
+    layer_stride: int
+    block_stride: int
+    block_bytes: int
+    num_layers: int
+    num_blocks: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., k_base: _Optional[int] = ..., v_base: _Optional[int] = ..., layer_stride: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class HoldKVRequest(_message.Message):
+    __slots__ = ("handle", "receiver_layout")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    handle: KVHandle
+    receiver_layout: KVLayout
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class KVHeld(_message.Message):
+    __slots__ = ("agent_name",)
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    def __init__(self, agent_name: _Optional[str] = ...) -> None: ...

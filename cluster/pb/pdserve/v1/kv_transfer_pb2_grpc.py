@@ -60,6 +60,16 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelResponse.FromString,
                 _registered_method=True)
+        self.ConnectNixl = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/ConnectNixl',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.ConnectNixlRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.NixlPool.FromString,
+                _registered_method=True)
+        self.HoldKV = channel.unary_stream(
+                '/pdserve.v1.KVTransfer/HoldKV',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.HoldKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.KVHeld.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -101,8 +111,8 @@ class KVTransferServicer:
         """Sends the KV of one lease over an open channel. The handle and layouts are checked exactly
         as by `FetchKV`, with the same status codes; ABORTED if the channel is unknown (closed,
         evicted or broken: open a new one and retry). The response announces the transfer; the
-        server then sends the keys with tag `tag` and the values with tag `tag + 1`, and the caller
-        must post the matching receives. Transfers on one channel run one at a time, in the order
+        server then sends the keys and values of every layer as one message with tag `tag` (a
+        tensor [2 (keys, values), *shape]), and the caller must post the matching receive. Transfers on one channel run one at a time, in the order
         of their responses, so the caller issues the next `PushKV` only after its receives end.
         The lease stays pinned until the send ends; the client calls `ReleaseKV` as after a fetch.
         """
@@ -112,6 +122,28 @@ class KVTransferServicer:
 
     def CloseChannel(self, request, context):
         """Closes a channel (its caller evicted or dropped it). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConnectNixl(self, request, context):
+        """Describes this server's NIXL agent and registered KV pool (transport "nixl"). The caller
+        shows any handle of this server with a genuine capability token (UNAUTHENTICATED
+        otherwise) and its own layout (FAILED_PRECONDITION if it differs from the server's, or if
+        the server does not serve "nixl"). The lease itself is neither checked nor pinned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldKV(self, request, context):
+        """Pins the lease of `handle` for as long as the call lasts, so the caller can READ its blocks
+        from the pool `ConnectNixl` described. The handle and layouts are checked exactly as by
+        `FetchKV`, with the same status codes, before the one message is sent; the server then
+        keeps the pin (and its agent progressing) until the caller ends the call or its deadline
+        passes. Reading after the call ended may read reused blocks: the caller ends the call only
+        once its READ is complete. Does not end the lease; the client calls `ReleaseKV`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +176,16 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.CloseChannel,
                     request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelResponse.SerializeToString,
+            ),
+            'ConnectNixl': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectNixl,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.ConnectNixlRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.NixlPool.SerializeToString,
+            ),
+            'HoldKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.HoldKV,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.HoldKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.KVHeld.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +324,60 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/CloseChannel',
             pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelRequest.SerializeToString,
             pdserve_dot_v1_dot_kv__transfer__pb2.CloseChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectNixl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/ConnectNixl',
+            pdserve_dot_v1_dot_kv__transfer__pb2.ConnectNixlRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.NixlPool.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/HoldKV',
+            pdserve_dot_v1_dot_kv__transfer__pb2.HoldKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.KVHeld.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,68 @@
+"""`NixlKVSender`: the prefill side of the `nixl` KV transport, behind `KVServer`'s ConnectNixl
+and HoldKV.
+
+At start it registers the engine's whole KV pool with a NIXL agent (`NixlPool`). It never sends
+anything itself: `describe` hands a decode worker the agent's metadata and the pool's geometry
+once per pair, and `hold` keeps a lease pinned (the caller pinned it) while the decode worker
+READs its blocks, for as long as the decode worker keeps the call open or until `timeout_s`.
+While any reader may be active (a hold, or the wire-up after a `describe`) a background task
+lets the agent progress, which UCX needs on the target side for connection set-up and TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from cluster.engine.kv_cache import KVCache, KVLayout
+from cluster.kv_transfer.nixl_pool import NixlPool
+from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
+
+PROGRESS_INTERVAL_S = 0.0005
+WIREUP_S = 2.0  # progress this long after a describe, for the reader's connection set-up
+
+
+class NixlKVSender:
+    def __init__(self, pool: KVCache, layout: KVLayout, timeout_s: float) -> None:
+        """Unavailable if NIXL is not usable in this process."""
+        self.pool = NixlPool(layout, "prefill")
+        self.region = self.pool.register(pool.k, pool.v)
+        self.timeout_s = timeout_s
+        self.holds = 0
+        self._progress_until = 0.0
+        self._progress: asyncio.Task | None = None
+
+    def describe(self) -> pb.NixlPool:
+        """The agent and pool, for a decode worker about to connect (its wire-up follows)."""
+        self._progress_until = max(self._progress_until, time.monotonic() + WIREUP_S)
+        self._keep_progressing()
+        return self.pool.describe(self.region)
+
+    async def hold(self) -> AsyncIterator[pb.KVHeld]:
+        """Yields one `KVHeld`, then waits until the caller closes the stream (the decode
+        worker's READ is complete) or `timeout_s` passes. The caller keeps the lease pinned
+        until this ends."""
+        self.holds += 1
+        self._keep_progressing()
+        try:
+            yield pb.KVHeld(agent_name=self.pool.name)
+            await asyncio.sleep(self.timeout_s)
+        finally:
+            self.holds -= 1
+
+    async def stop(self) -> None:
+        task, self._progress = self._progress, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.pool.close()
+
+    def _keep_progressing(self) -> None:
+        if self._progress is None or self._progress.done():
+            self._progress = asyncio.get_running_loop().create_task(self._run_progress())
+
+    async def _run_progress(self) -> None:
+        while self.holds or time.monotonic() < self._progress_until:
+            self.pool.progress()
+            await asyncio.sleep(PROGRESS_INTERVAL_S)

@@ -1,6 +1,7 @@
 """End to end on a real local Ray with `transfer.transport="gloo"`: router -> prefill pool ->
-KV over a two-rank gloo group (negotiated over the gRPC control channel) -> decode pool.
-transformers' greedy decoding on the same checkpoint is the oracle."""
+KV over a two-rank gloo group (negotiated over the gRPC control channel) -> decode pool; and
+the same requests with the transport pinned to `grpc` (the shared "pd" app resolves `auto` to
+nixl where it can). transformers' greedy decoding on the same checkpoint is the oracle."""
 
 from __future__ import annotations
 
@@ -20,42 +21,61 @@ from cluster.sampling_params import SamplingParams
 from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
 
 APP = "gloo"
+GRPC_APP = "grpc"
+
+
+def _deploy_with_transport(ray_serve, model_dir, transport: str, name: str):
+    from ray import serve
+
+    base = small_app_config(str(model_dir))
+    transfer = TransferConfig(transport=transport, lease_seconds=10.0)
+    deploy(replace(base, transfer=transfer), name, f"/{name}")
+    yield ray_serve
+    serve.delete(name)
 
 
 @pytest.fixture(scope="module")
 def gloo_app(ray_serve, tokenizer_model_dir):
-    from ray import serve
+    yield from _deploy_with_transport(ray_serve, tokenizer_model_dir, "gloo", APP)
 
-    base = small_app_config(str(tokenizer_model_dir))
-    deploy(
-        replace(base, transfer=TransferConfig(transport="gloo", lease_seconds=10.0)), APP, "/gloo"
-    )
-    yield ray_serve
-    serve.delete(APP)
+
+@pytest.fixture(scope="module")
+def grpc_app(ray_serve, tokenizer_model_dir):
+    yield from _deploy_with_transport(ray_serve, tokenizer_model_dir, "grpc", GRPC_APP)
 
 
 def test_concurrent_greedy_requests_over_gloo_match_transformers(gloo_app, tokenizer_model_dir, hf):
+    _assert_concurrent_greedy(gloo_app, APP, tokenizer_model_dir, hf)
+
+
+def test_concurrent_greedy_requests_over_grpc_match_transformers(grpc_app, tokenizer_model_dir, hf):
+    _assert_concurrent_greedy(grpc_app, GRPC_APP, tokenizer_model_dir, hf)
+
+
+def _assert_concurrent_greedy(endpoints, app: str, model_dir, hf) -> None:
     cases = [
         (tuple((11 * i + 7 * j) % 4000 + 50 for j in range(5 + (i * 9) % 50)), 6 + i % 5)
         for i in range(8)
     ]
-    s = stub(gloo_app)
+    s = stub(endpoints)
 
     def run(case) -> list[pb.GenerateResponse]:
         ids, n = case
         sampling = pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         request = pb.GenerateRequest(prompt_token_ids=list(ids), sampling=sampling)
-        return list(s.Generate(request, metadata=app_metadata(APP)))
+        return list(s.Generate(request, metadata=app_metadata(app)))
 
     with ThreadPoolExecutor(len(cases)) as pool:
         results = list(pool.map(run, cases))
     for (ids, n), msgs in zip(cases, results, strict=True):
         got = [t for m in msgs for t in m.token_ids]
-        hf.assert_greedy(tokenizer_model_dir, ids, got, n)
+        hf.assert_greedy(model_dir, ids, got, n)
         last = msgs[-1]
         assert last.finish_reason == pb.FINISH_REASON_LENGTH
         assert last.timing.kv_transfer_seconds > 0
-    wait_for_idle(gloo_app, APP, {"prefill", "decode"})
+    stats = s.GetStats(pb.GetStatsRequest(), metadata=app_metadata(app))
+    assert stats.kv_transport == app  # the transport the app was pinned to
+    wait_for_idle(endpoints, app, {"prefill", "decode"})
 
 
 def test_a_prefill_replica_serves_its_lease_over_gloo_across_processes(

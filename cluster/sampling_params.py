@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from cluster.errors import InvalidArgument
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+# Bounds on stop conditions: every step checks each stop string against the new text, so an
+# unbounded list is a per-token cost a single request could impose on its whole batch.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,19 @@ class SamplingParams:
             raise InvalidArgument(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop strings must be non-empty", param="stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument(
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", param="stop"
+            )
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidArgument(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", param="stop"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+                param="stop_token_ids",
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs"

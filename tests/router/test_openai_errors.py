@@ -49,6 +49,7 @@ from tests.router.fake_service import (
         ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, "max_tokens", "integer"),
         ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens", "positive"),
         ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature", "temperature"),
+        ("/v1/completions", {**COMPLETION, "stop": ["x"] * 65}, "stop", "at most 64"),
         ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt", "empty"),
         ("/v1/chat/completions", {**CHAT, "n": 3}, "n", "n=1"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1"),

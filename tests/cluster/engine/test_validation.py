@@ -89,6 +89,9 @@ def test_prompt_one_short_of_context_runs_to_the_limit(path, make_engine, hf):
         pytest.param({"seed": -1}, "seed", id="seed<0"),
         pytest.param({"stop": ("",)}, "stop", id="empty-stop"),
         pytest.param({"stop_token_ids": (-1,)}, "stop_token_ids", id="negative-stop-token"),
+        pytest.param({"stop": ("x",) * 65}, "stop", id="too-many-stops"),
+        pytest.param({"stop": ("x" * 513,)}, "stop", id="stop-too-long"),
+        pytest.param({"stop_token_ids": (1,) * 1025}, "stop_token_ids", id="too-many-stop-ids"),
     ],
 )
 def test_bad_sampling_params_are_refused(kwargs, field):
@@ -96,6 +99,11 @@ def test_bad_sampling_params_are_refused(kwargs, field):
         SamplingParams(**kwargs)
     assert err.value.param == field
     assert field in str(err.value)
+
+
+def test_stop_bounds_are_inclusive():
+    params = SamplingParams(stop=("x" * 512,) * 64, stop_token_ids=(1,) * 1024)
+    assert len(params.stop) == 64 and len(params.stop_token_ids) == 1024
 
 
 def test_duplicate_request_id_in_flight_is_refused(path, make_engine, hf):

@@ -86,6 +86,14 @@ class Pair:
             tokens.extend(out.token_ids)
         return tokens
 
+    async def close(self) -> None:
+        """Stop both ends: client, KV server, lease keeper, then the two engines."""
+        await self.client.close()
+        await self.server.stop(0)
+        await self.leases.stop()
+        await self.prefill.stop()
+        await self.decode.stop()
+
     async def used_blocks(self) -> tuple[int, int]:
         stats = [
             await e.call(lambda e: e.stats().kv_blocks_used) for e in (self.prefill, self.decode)
@@ -119,11 +127,7 @@ async def pair(
         assert await leases.drain(5.0), "a lease was never freed"  # frees run in the background
         assert await p.used_blocks() == (0, 0), "KV blocks leaked"
     finally:
-        await client.close()
-        await server.stop(0)
-        await leases.stop()
-        await prefill.stop()
-        await decode.stop()
+        await p.close()
 
 
 async def fetch_exact_then_decode(

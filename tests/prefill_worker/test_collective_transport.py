@@ -96,11 +96,7 @@ async def collective_pair(
         assert leases.outstanding() == 0
         assert await p.used_blocks() == (0, 0), "KV blocks leaked"
     finally:
-        await client.close()
-        await server.stop(0)
-        await leases.stop()
-        await prefill.stop()
-        await decode.stop()
+        await p.close()
 
 
 async def _settle(p: CollectivePair) -> None:

@@ -86,11 +86,7 @@ async def nixl_pair(
         assert await p.used_blocks() == (0, 0), "KV blocks leaked"
         assert server.nixl.holds == 0
     finally:
-        await client.close()
-        await server.stop(0)
-        await leases.stop()
-        await prefill.stop()
-        await decode.stop()
+        await p.close()
 
 
 def test_read_kv_is_bit_exact_and_decodes_like_a_colocated_run(llama_dir: Path) -> None:

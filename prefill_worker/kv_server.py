@@ -9,7 +9,9 @@ formed, its capability token is genuine (UNAUTHENTICATED), the receiver's layout
 handle's equal ours (FAILED_PRECONDITION), and the lease is live (NOT_FOUND: released, expired
 or unknown). The lease is pinned for the whole transfer (`LeaseKeeper.begin_fetch` /
 `end_fetch`), so its blocks can be read on a worker thread while the engine thread runs its
-steps. Fetching does not end the lease; the client calls `ReleaseKV`.
+steps. Fetching does not end the lease; the client calls `ReleaseKV`. `CancelPrefill` (a
+router's, with a cancel token) ends a request by id wherever it is on this worker
+(`LeaseKeeper.cancel`).
 """
 
 from __future__ import annotations
@@ -215,6 +217,19 @@ class KVServer(KVTransferServicer):
         except PdServeError as exc:
             await _abort(context, exc)
         return pb.ReleaseKVResponse(released=released)
+
+    async def CancelPrefill(
+        self, request: pb.CancelPrefillRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CancelPrefillResponse:
+        try:
+            if not request.request_id:
+                raise InvalidArgument("CancelPrefill needs a request_id", param="request_id")
+            if not self.leases.capability.verify_cancel(request.request_id, request.cancel_token):
+                raise Unauthenticated("bad cancel token")
+            released = await self.leases.cancel(request.request_id)
+        except PdServeError as exc:
+            await _abort(context, exc)
+        return pb.CancelPrefillResponse(released=released)
 
     # -- checks shared by every transport ----------------------------------------------------
 

@@ -8,6 +8,9 @@ of:
   (b) `release(rid, "cancelled")` - the request was cancelled (the client left, or its
       deadline passed) before the decode worker fetched it;
   (c) `release(rid, "aborted")` - the router gave up on the request (a failed decode hop);
+  (b') `cancel(rid)` - as (b), for a router that never got the handle (its prefill call was
+      cancelled while running, so Serve may drop the result); a grant still awaiting the
+      engine frees the prompt instead of leasing it;
   (d) the lease expires (`expire_now`, run every interval by the expiry task): the last
       resort, for a release that never came.
 Then the keeper counts the reason (`ended`) and frees them on the engine thread (`Engine.release`);
@@ -68,6 +71,7 @@ class LeaseKeeper:
         self.granted = 0
         self.ended = dict.fromkeys((*RELEASE_REASONS, "expired"), 0)  # leases ended, by reason
         self._leases: dict[str, _Lease] = {}
+        self._granting: dict[str, bool] = {}  # grants awaiting the engine: cancelled meanwhile?
         self._frees: set[asyncio.Task] = set()
         self._expiry_task: asyncio.Task | None = None
         self._empty = asyncio.Event()
@@ -79,15 +83,19 @@ class LeaseKeeper:
         """Lease the held KV of `request_id`: (block ids, num tokens, expiry, token).
         NotFound if the engine holds no KV for it; InvalidArgument if it is leased already.
         Cancelled, it frees the held KV (in the background) instead of leasing it."""
-        if request_id in self._leases:
+        if request_id in self._leases or request_id in self._granting:
             raise InvalidArgument(f"request {request_id!r} is already leased", param="request_id")
+        self._granting[request_id] = False
         try:
             block_ids, num_tokens = await self.engine.call(lambda e: e.held_blocks(request_id))
         except asyncio.CancelledError:
             self._track(self.engine.call(lambda e: e.release(request_id)))
             raise
-        if request_id in self._leases:
-            raise InvalidArgument(f"request {request_id!r} is already leased", param="request_id")
+        finally:
+            cancelled = self._granting.pop(request_id)
+        if cancelled:  # `cancel` came while we awaited: the caller is gone
+            self._track(self.engine.call(lambda e: e.release(request_id)))
+            raise NotFound(f"request {request_id!r} was cancelled")
         expiry = self.clock() + self.lease_seconds
         token = self.capability.token(request_id, block_ids)
         self._leases[request_id] = _Lease(list(block_ids), num_tokens, expiry, token)
@@ -139,6 +147,18 @@ class LeaseKeeper:
         if lease.fetches == 0:  # else end_fetch frees the blocks
             self._free_soon(request_id, lease)
         return True
+
+    async def cancel(self, request_id: str) -> bool:
+        """Cancel `request_id` wherever it is on this worker (`CancelPrefill`): end its lease
+        ("cancelled", True), make a grant in flight free the prompt instead, or else abort it
+        in the engine if it is queued, prefilling or prefilled but not yet leased (False)."""
+        if request_id in self._leases:
+            return await self.release(request_id, "cancelled")
+        if request_id in self._granting:
+            self._granting[request_id] = True
+            return False
+        await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
+        return False
 
     async def expire_now(self) -> int:
         """Free every unpinned lease past its expiry; returns how many."""

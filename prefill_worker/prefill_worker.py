@@ -91,7 +91,11 @@ class PrefillWorker(EngineReplica):
         )
 
     async def stats(self) -> ReplicaStats:
-        return replace(await super().stats(), kv_leases_ended=dict(self.leases.ended))
+        return replace(
+            await super().stats(),
+            kv_leases_ended=dict(self.leases.ended),
+            kv_endpoint=self.endpoint,
+        )
 
     async def _report(self) -> None:
         await super()._report()

@@ -30,13 +30,14 @@ from ray.serve.exceptions import (
 )
 
 from cluster.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from cluster.kv_transfer.capability import Capability
 from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
 from cluster.model.info import ModelInfo
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
-from cluster.serving.pool_messages import DecodeRequest, PrefillResult, WorkerChunk
+from cluster.serving.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
 from cluster.serving.stats_registry import registry
 from router.generation_chunk import GenerationChunk, Timing, Usage
 from router.generation_service import ServedModel
@@ -79,7 +80,9 @@ class Orchestrator:
             mode=config.mode,
         )
         self.leases = LeaseReleases(
-            GrpcKVClient(config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds)
+            GrpcKVClient(config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds),
+            Capability(bytes.fromhex(config.transfer.secret)),
+            self._prefill_endpoints,
         )
         self._registry = None  # the stats registry actor, looked up on first use
 
@@ -216,12 +219,11 @@ class Orchestrator:
         raise AssertionError("unreachable")
 
     async def _prefill_call(self, request: Request) -> PrefillResult:
-        """One call to the prefill pool. Cancelled, it cancels the call itself (Serve passes a
-        cancel on to calls still waiting for a replica, not to those already running), so the
-        replica frees the prompt wherever it is; a result that lands anyway (the replica had
-        finished) has its lease released at once rather than left to expire. One case is left
-        to expiry: the cancel reaching the replica in the moment after `PrefillWorker.prefill`
-        returned, before Serve sent its result back, makes Serve drop the result."""
+        """One call to the prefill pool. Cancelled, it cancels the call itself, so the replica
+        frees the prompt wherever it is; a result that lands anyway (the replica had finished)
+        has its lease released at once rather than left to expire. A cancel that reaches the
+        replica just after `PrefillWorker.prefill` returned makes Serve drop the result, handle
+        and all: CancelPrefill, sent to every prefill worker, ends that lease."""
         response = self.prefill.prefill.remote(request)
         call = asyncio.ensure_future(_transient_as_unavailable(response))
         try:
@@ -230,6 +232,7 @@ class Orchestrator:
             call.add_done_callback(self.leases.release_unclaimed)
             if not call.done():
                 response.cancel()
+                self.leases.cancel_prefill(request.request_id)
             raise
 
     async def close(self) -> None:
@@ -266,10 +269,16 @@ class Orchestrator:
                     response.cancel()
                     call.cancel()
 
-    async def stats(self) -> ClusterStats:
+    async def _replicas(self) -> list[ReplicaStats]:
         if self._registry is None:
             self._registry = registry(self.config.name)
-        replicas = await self._registry.list.remote()
+        return await self._registry.list.remote()
+
+    async def _prefill_endpoints(self) -> list[str]:
+        return [r.kv_endpoint for r in await self._replicas() if r.kv_endpoint]
+
+    async def stats(self) -> ClusterStats:
+        replicas = await self._replicas()
         pools = await pool_statuses(self.config, self.app_name, replicas)
         return ClusterStats(tuple(pools), tuple(replicas), kv_transport(self.config))
 

@@ -4,7 +4,8 @@
 checks it chunk by chunk against the receiver's own layout (`kv_wire.ChunkAssembler`) before
 copying; `fetch_into` copies each chunk straight into the caller's (host) pool blocks, the one
 copy on this side. Chunk checksums are asked for and checked only with `checksum`. `release`
-is a ReleaseKV call. The channels to the servers are `KVServerStubs`.
+is a ReleaseKV call, `cancel_prefill` (the router's) a CancelPrefill call. The channels to the
+servers are `KVServerStubs`.
 """
 
 from __future__ import annotations
@@ -120,6 +121,25 @@ class GrpcKVClient(KVClient):
                 "ReleaseKV %s on %s failed: %s %s",
                 handle.request_id,
                 handle.endpoint,
+                exc.code().name,
+                exc.details(),
+            )
+            return False
+        return response.released
+
+    async def cancel_prefill(self, endpoint: str, request_id: str, token: bytes) -> bool:
+        """CancelPrefill `request_id` on the prefill worker at `endpoint`. Best effort: False
+        if no lease was ended or the call failed."""
+        request = pb.CancelPrefillRequest(request_id=request_id, cancel_token=token)
+        try:
+            response = await self.stubs.stub(endpoint).CancelPrefill(
+                request, timeout=self.timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "CancelPrefill %s on %s failed: %s %s",
+                request_id,
+                endpoint,
                 exc.code().name,
                 exc.details(),
             )

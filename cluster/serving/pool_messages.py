@@ -53,7 +53,8 @@ class WorkerChunk:
 class ReplicaStats:
     """One engine replica's numbers as of `updated_at` (wall clock). `kv_leases_ended`, on
     prefill replicas: how many leases ended so far, by reason (fetched, cancelled, aborted,
-    expired)."""
+    expired); `kv_endpoint`, on prefill replicas: the KV server's "host:port" (where a router
+    sends `CancelPrefill`)."""
 
     pool: str
     replica_id: str
@@ -67,3 +68,4 @@ class ReplicaStats:
     generated_tokens: int = 0
     updated_at: float = 0.0
     kv_leases_ended: dict[str, int] = field(default_factory=dict)
+    kv_endpoint: str = ""

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import grpc
 import pytest
 
-from cluster.errors import InvalidArgument, Unauthenticated
+from cluster.errors import InvalidArgument, NotFound, Unauthenticated
+from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
+from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferStub
 from cluster.request import Request
 from tests.prefill_worker.kv_pair import PARAMS, pair, prompt, run
 
@@ -74,3 +77,79 @@ def test_leases_ended_are_counted_by_reason(llama_dir: Path) -> None:
             assert p.leases.ended == {"fetched": 1, "cancelled": 2, "aborted": 1, "expired": 0}
 
     run(main())
+
+
+def test_cancel_prefill_ends_the_request_wherever_it_is_on_the_worker(llama_dir: Path) -> None:
+    """CancelPrefill by request id, as a router sends it when the result of a prefill call it
+    cancelled may have been dropped: a leased prompt's lease ends ("cancelled"), a prefilled
+    prompt not yet leased is freed, a grant awaiting the engine frees instead of leasing, and a
+    prompt still prefilling is aborted. Only a router with the cluster secret may cancel."""
+
+    async def main() -> None:
+        async with pair(llama_dir) as p:
+            cap = p.leases.capability
+
+            async def cancel(rid: str) -> bool:
+                return await p.client.cancel_prefill(p.endpoint, rid, cap.cancel_token(rid))
+
+            async def freed() -> bool:
+                for _ in range(50):
+                    if await p.used_blocks() == (0, 0):
+                        return True
+                    await asyncio.sleep(0.02)
+                return False
+
+            await p.prefill_handle("leased", prompt(20, 1))
+            assert await cancel("leased") and not await cancel("leased")  # idempotent
+            assert p.leases.ended["cancelled"] == 1 and await freed()
+
+            held = Request("held", prompt(40, 2), PARAMS, prefill_only=True)
+            assert [o async for o in await p.prefill.generate(held)][-1].finished
+            assert not await cancel("held") and await freed()
+            with pytest.raises(NotFound):
+                await p.leases.grant("held")
+
+            granting = Request("granting", prompt(40, 3), PARAMS, prefill_only=True)
+            assert [o async for o in await p.prefill.generate(granting)][-1].finished
+            grant = asyncio.ensure_future(p.leases.grant("granting"))
+            await asyncio.sleep(0)  # the grant waits for the engine thread
+            assert not await cancel("granting")
+            with pytest.raises(NotFound):
+                await grant
+            assert p.leases.outstanding() == 0 and await freed()
+
+            running = Request("running", prompt(120, 4), PARAMS, prefill_only=True)
+            outs = asyncio.ensure_future(_outputs(p.prefill.generate(running)))
+            await asyncio.sleep(0.01)
+            assert not await cancel("running")
+            assert (await outs)[-1].finish_reason in ("abort", "prefilled")
+            await p.leases.cancel("running")  # had it finished first, this frees it
+            assert await freed() and p.leases.outstanding() == 0
+
+            await p.prefill_handle("kept", prompt(20, 5))
+            async with grpc.aio.insecure_channel(p.endpoint) as channel:
+                stub = KVTransferStub(channel)
+                for bad, code in [
+                    (pb.CancelPrefillRequest(request_id="kept"), "UNAUTHENTICATED"),
+                    (
+                        pb.CancelPrefillRequest(
+                            request_id="kept", cancel_token=cap.token("kept", [])
+                        ),
+                        "UNAUTHENTICATED",  # a lease token is not a cancel token
+                    ),
+                    (
+                        pb.CancelPrefillRequest(cancel_token=cap.cancel_token("")),
+                        "INVALID_ARGUMENT",
+                    ),
+                ]:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stub.CancelPrefill(bad)
+                    assert err.value.code().name == code
+            assert p.leases.outstanding() == 1
+            assert await p.leases.release("kept", "aborted")
+
+    run(main())
+
+
+async def _outputs(stream) -> list:
+    return [o async for o in await stream]

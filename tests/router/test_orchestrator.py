@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cluster.config import ModelConfig
+from cluster.config import ModelConfig, TransferConfig
 from cluster.engine.kv_cache import KVLayout
 from cluster.errors import DeadlineExceeded, Unavailable
+from cluster.kv_transfer.capability import Capability
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.model.info import ArchSpec, ModelInfo
 from cluster.request import StepOutput
@@ -151,13 +152,28 @@ class Releases:
 
     def __init__(self) -> None:
         self.released: list[str] = []
+        self.cancelled: list[tuple[str, str]] = []  # CancelPrefill calls: (endpoint, request id)
 
     async def release(self, handle, reason):
         self.released.append(reason)
         return True
 
+    async def cancel_prefill(self, endpoint, request_id, token):
+        assert token == CAPABILITY.cancel_token(request_id)
+        self.cancelled.append((endpoint, request_id))
+        return False
+
     async def close(self) -> None:
         pass
+
+
+SECRET = "5e" * 32
+CAPABILITY = Capability(bytes.fromhex(SECRET))
+PREFILL_ENDPOINTS = ["10.0.0.1:1", "10.0.0.2:1"]
+
+
+async def prefill_endpoints() -> list[str]:
+    return PREFILL_ENDPOINTS
 
 
 def run(pools: FakePools, take: int | None = None, **config) -> list:
@@ -172,13 +188,17 @@ async def run_async(
         512, 64, 128, 2, 4, 2, 8, 1e-5, 256, {}, False, False, False, False, False, None
     )
     info = ModelInfo(spec, None, "m@0", frozenset(), 256)
-    config = AppConfig(model=ModelConfig(path="/nonexistent"), **{"max_retries": 2, **config})
+    config = AppConfig(
+        model=ModelConfig(path="/nonexistent"),
+        transfer=TransferConfig(secret=SECRET),
+        **{"max_retries": 2, **config},
+    )
     tokens = TokenStreamServer("127.0.0.1")
     await tokens.start()
     try:
         orch = Orchestrator(config, info, pools.prefill, pools.decode, pools.colocated, tokens)
         releases = releases or Releases()
-        orch.leases = LeaseReleases(releases)
+        orch.leases = LeaseReleases(releases, CAPABILITY, prefill_endpoints)
         params = SamplingParams(max_tokens=3, temperature=0.0)
         request = orch.build_request(None, [1, 2, 3], params, "r1")
         got = []
@@ -261,10 +281,11 @@ def test_a_decode_hop_failing_early_gives_back_its_lease_before_the_retry():
 
 def test_a_request_cancelled_during_its_prefill_cancels_the_call_or_releases_its_result():
     """The router's task is cancelled while the prefill call runs (a client that left, as
-    Serve's proxy delivers it). The call is cancelled; if its result lands anyway, because the
-    replica had finished, the lease in it is released at once."""
+    Serve's proxy delivers it). The call is cancelled and every prefill worker is sent
+    CancelPrefill (Serve may drop a result that was on its way); if the result lands anyway,
+    because the replica had finished, the lease in it is released at once."""
 
-    async def main(replica_finishes: bool) -> tuple[asyncio.Task, list[str]]:
+    async def main(replica_finishes: bool) -> tuple[asyncio.Task, Releases]:
         pools = FakePools(prefill_seconds=0.3, cancel_too_late=replica_finishes)
         releases = Releases()
         request = asyncio.ensure_future(run_async(pools, releases=releases))
@@ -275,12 +296,25 @@ def test_a_request_cancelled_during_its_prefill_cancels_the_call_or_releases_its
         (call,) = pools.prefill_tasks
         await asyncio.gather(call, return_exceptions=True)
         await asyncio.sleep(0.05)  # the release goes out in the background
-        return call, releases.released
+        return call, releases
 
-    call, released = asyncio.run(main(replica_finishes=False))
-    assert call.cancelled() and released == []
-    call, released = asyncio.run(main(replica_finishes=True))
-    assert not call.cancelled() and released == ["cancelled"]
+    everywhere = [(e, "r1") for e in PREFILL_ENDPOINTS]
+    call, releases = asyncio.run(main(replica_finishes=False))
+    assert call.cancelled() and releases.released == []
+    assert releases.cancelled == everywhere
+    call, releases = asyncio.run(main(replica_finishes=True))
+    assert not call.cancelled() and releases.released == ["cancelled"]
+    assert releases.cancelled == everywhere
+
+
+def test_a_request_whose_prefill_returned_sends_no_cancel_prefill():
+    """CancelPrefill is for a prefill call cancelled while it ran; a request cancelled once it
+    has its handle releases that lease by the handle, with no broadcast."""
+    pools = FakePools(decode_plan=["hang"])
+    releases = Releases()
+    chunks, _ = asyncio.run(run_async(pools, take=1, releases=releases))
+    assert tokens(chunks) == [7]
+    assert releases.released == ["cancelled"] and releases.cancelled == []
 
 
 def test_a_request_past_its_deadline_fails_and_cancels_the_worker_call():

@@ -52,3 +52,16 @@ def test_secret_must_be_non_empty_bytes() -> None:
         Capability("secret")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
         CAP.token("req-1", [1 << 64])
+
+
+def test_cancel_token_binds_secret_and_request_and_is_never_a_lease_token() -> None:
+    token = CAP.cancel_token("req-1")
+    assert len(token) == TOKEN_BYTES and CAP.verify_cancel("req-1", token)
+    assert token != CAP.token("req-1", [])  # a domain of its own
+    assert not CAP.verify("req-1", [], token)
+    assert not CAP.verify_cancel("req-1", CAP.token("req-1", []))
+    assert not CAP.verify_cancel("req-2", token)
+    assert not Capability(b"other-secret").verify_cancel("req-1", token)
+    for bad in (token[:-1], b"", None, "x" * 32, bytearray(token)):
+        assert not CAP.verify_cancel("req-1", bad)
+    assert not CAP.verify_cancel("\ud800", token)

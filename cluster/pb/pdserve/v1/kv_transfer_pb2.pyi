@@ -82,6 +82,20 @@ class ReleaseKVResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class CancelPrefillRequest(_message.Message):
+    __slots__ = ("request_id", "cancel_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cancel_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., cancel_token: _Optional[bytes] = ...) -> None: ...
+
+class CancelPrefillResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
 class OpenChannelRequest(_message.Message):
     __slots__ = ("transport", "handle")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.CancelPrefill = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/CancelPrefill',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.CancelPrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.CancelPrefillResponse.FromString,
+                _registered_method=True)
         self.OpenChannel = channel.unary_unary(
                 '/pdserve.v1.KVTransfer/OpenChannel',
                 request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.OpenChannelRequest.SerializeToString,
@@ -90,6 +95,19 @@ class KVTransferServicer:
     def ReleaseKV(self, request, context):
         """Frees a lease: called by the decode worker after a successful fetch, or by the router when
         the request is aborted. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelPrefill(self, request, context):
+        """Cancels a request by id, wherever it is on this worker, for a router that lost track of
+        it: the router cancelled its prefill call once the call was running, so the call's result
+        (and the handle in it) may never reach it. Sent to every prefill worker of the app. The
+        worker aborts the request if it is queued or prefilling, releases its lease ("cancelled")
+        if one was granted, and otherwise remembers the id for `lease_seconds` so a prefill or a
+        grant that comes later frees the prompt instead of leasing it. `cancel_token` proves the
+        caller holds the cluster secret (UNAUTHENTICATED if wrong). Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,6 +179,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'CancelPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelPrefill,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.CancelPrefillRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.CancelPrefillResponse.SerializeToString,
             ),
             'OpenChannel': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenChannel,
@@ -243,6 +266,33 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/ReleaseKV',
             pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVRequest.SerializeToString,
             pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/CancelPrefill',
+            pdserve_dot_v1_dot_kv__transfer__pb2.CancelPrefillRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.CancelPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -168,8 +168,8 @@ def render(argv: list[str], a, lens: list[int], rows) -> str:
         for n in lens:
             t, pre = moved_s[n], prefill_s[n]
             lines.append(
-                f"| {name} | {n} | {nbytes[n] / 1e6:.1f} | {t * 1e3:.1f} | "
-                f"{nbytes[n] / t / 1e9:.2f} | {pre * 1e3:.0f} | {100 * t / (pre + t):.1f}% |"
+                f"| {name} | {n} | {nbytes[n] / 1e6:.2f} | {t * 1e3:.3f} | "
+                f"{nbytes[n] / t / 1e9:.4f} | {pre * 1e3:.0f} | {100 * t / (pre + t):.1f}% |"
             )
     return "\n".join(lines) + "\n"
 

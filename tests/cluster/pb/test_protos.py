@@ -93,6 +93,7 @@ def test_kv_transfer_service_shape() -> None:
     assert shapes == {
         "FetchKV": ("FetchKVRequest", "KVChunk", False, True),
         "ReleaseKV": ("ReleaseKVRequest", "ReleaseKVResponse", False, False),
+        "CancelPrefill": ("CancelPrefillRequest", "CancelPrefillResponse", False, False),
         "OpenChannel": ("OpenChannelRequest", "OpenChannelResponse", False, False),
         "PushKV": ("PushKVRequest", "PushKVResponse", False, False),
         "CloseChannel": ("CloseChannelRequest", "CloseChannelResponse", False, False),

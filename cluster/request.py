@@ -14,13 +14,24 @@ FinishReason = Literal["stop", "length", "abort", "prefilled"]
 @dataclass(frozen=True)
 class Request:
     """One generation. `prefill_only` makes the engine stop after the first sampled token and
-    keep the prompt's KV blocks pinned for export (the prefill pool's mode of work)."""
+    keep the prompt's KV blocks pinned for export (the prefill pool's mode of work).
+
+    `output_token_ids`: tokens this generation already produced, and the client already has,
+    before it resumed on this engine (decode migration). Their KV is computed like the prompt's,
+    but they count as output: for `max_tokens`, the sampling positions, penalties and stop
+    strings, so the generation goes on exactly as if it had never moved."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     prefill_only: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens whose KV precedes the first token this engine samples."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 from cluster.errors import InvalidArgument
 
@@ -13,6 +15,9 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI
+MAX_BIAS = 100.0  # logit_bias values lie in [-100, 100], as OpenAI
 
 
 @dataclass(frozen=True)
@@ -30,8 +35,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     # Report each output token's log-probability and the `logprobs` most likely alternatives
-    # (under the model's own distribution, before temperature, top-k or top-p). None: off.
+    # (under the model's own distribution: raw logits, before any bias, penalty, temperature or
+    # filter). None: off.
     logprobs: int | None = None
+    # Logit adjustments, applied in this order before temperature (see cluster/engine/penalties):
+    # `logit_bias` (token id, bias) pairs, sorted by token id (a mapping is accepted too);
+    # `repetition_penalty` over prompt and output tokens (1.0: off); `frequency_penalty` and
+    # `presence_penalty` over output tokens (0.0: off). `min_p` filters after top-k and top-p.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -70,7 +85,77 @@ class SamplingParams:
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("stop_token_ids must be >= 0", param="stop_token_ids")
+        self._check_adjustments()
 
-    @property
+    def _check_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number_in(value, -MAX_PENALTY, MAX_PENALTY):
+                raise InvalidArgument(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}",
+                    param=name,
+                )
+        rp = self.repetition_penalty
+        if not _number_in(rp, 0.0, math.inf) or not 0.0 < rp < math.inf:
+            raise InvalidArgument(
+                f"repetition_penalty must be a finite number > 0, got {rp}",
+                param="repetition_penalty",
+            )
+        if not _number_in(self.min_p, 0.0, 1.0):
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
+        # Frozen: normalise the bias once, here, to sorted (int, float) pairs.
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse, naming the field, token ids this model's vocabulary does not have."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"logit_bias token ids out of vocabulary [0, {vocab_size}): {bad[:5]}",
+                param="logit_bias",
+            )
+
+    @cached_property  # read per row on every step
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @cached_property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must change this request's logits before it picks a token."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+        )
+
+
+def _number_in(value: object, low: float, high: float) -> bool:
+    """A real number (not a bool) in [low, high]; NaN is not."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return low <= value <= high
+
+
+def _bias_pairs(bias: Mapping | Iterable) -> tuple[tuple[int, float], ...]:
+    items = list(bias.items() if isinstance(bias, Mapping) else bias)
+    if len(items) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(
+            f"logit_bias has {len(items)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias"
+        )
+    pairs: dict[int, float] = {}
+    for token, value in items:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidArgument(
+                f"logit_bias keys must be token ids >= 0, got {token!r}", param="logit_bias"
+            )
+        if token in pairs:
+            raise InvalidArgument(f"logit_bias has token {token} twice", param="logit_bias")
+        if not _number_in(value, -MAX_BIAS, MAX_BIAS):
+            raise InvalidArgument(
+                f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r} "
+                f"for token {token}",
+                param="logit_bias",
+            )
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))

@@ -26,6 +26,7 @@ class Timing:
     total_seconds: float
     prefill_replica: str
     decode_replica: str
+    migrations: int = 0  # times the generation resumed on another replica mid-stream
 
 
 @dataclass(frozen=True)

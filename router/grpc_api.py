@@ -34,7 +34,13 @@ def request_from_proto(req: pb.GenerateRequest, service: GenerationService) -> R
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        logit_bias=dict(s.logit_bias),
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        min_p=s.min_p,
     )
+    params.check_vocab(service.model.vocab_size)
     return service.build_request(
         req.prompt or None, list(req.prompt_token_ids) or None, params, req.request_id or None
     )
@@ -76,6 +82,7 @@ def chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateResponse:
                 total_seconds=t.total_seconds,
                 prefill_replica=t.prefill_replica,
                 decode_replica=t.decode_replica,
+                migrations=t.migrations,
             )
         )
     return msg

@@ -81,6 +81,7 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         service = get_service()
         model = _served_model(service, body.model)
         params = service.sampling_params(**body.sampling_fields(body.max_tokens))
+        params.check_vocab(service.model.vocab_size)
         prompt, prompt_token_ids = body.prompt_input()
         request = service.build_request(prompt, prompt_token_ids, params)
         view = CompletionView(
@@ -93,6 +94,7 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         service = get_service()
         model = _served_model(service, body.model)
         params = service.sampling_params(**body.sampling_fields(body.token_limit))
+        params.check_vocab(service.model.vocab_size)
         prompt_token_ids = service.chat_prompt([m.for_template() for m in body.messages])
         request = service.build_request(None, prompt_token_ids, params)
         view = ChatView(

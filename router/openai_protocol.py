@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP payloads: request bodies in, response objects and stream chunks out.
 
 Requests ignore fields they do not know (the official client sends some); fields pdserve knows
-but cannot honour (`n > 1`, batched prompts, `echo`) are refused with a 400 that
-names them, never silently dropped. Responses follow OpenAI's shapes; the extra
+but cannot honour (`n > 1`, batched prompts, `echo`, and those router/openai_unsupported.py
+lists: `tools`, `response_format`, `best_of`, ...) are refused with a 400 that names them, never
+silently dropped. Responses follow OpenAI's shapes; the extra
 `pdserve_timing` object on the last response or chunk carries the phase timings.
 """
 
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.generation_chunk import Timing, Usage
+from router.openai_unsupported import UnsupportedChatFields, UnsupportedCompletionFields
 
 
 def _omit_if_none(value: object) -> bool:
@@ -47,10 +49,15 @@ class _SamplingBody(_Body):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
     # vLLM-style extras.
     top_k: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
 
     @field_validator("n")
     @classmethod
@@ -58,6 +65,14 @@ class _SamplingBody(_Body):
         if n != 1:
             raise ValueError(f"only n=1 is supported, got {n}")
         return n
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        bad = [k for k in bias or {} if not k.isascii() or not k.isdigit()]
+        if bad:
+            raise ValueError(f"keys must be token ids (non-negative integers), got {bad[:5]}")
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -82,10 +97,15 @@ class _SamplingBody(_Body):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_count,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            min_p=self.min_p,
         )
 
 
-class CompletionRequest(_SamplingBody):
+class CompletionRequest(_SamplingBody, UnsupportedCompletionFields):
     """`POST /v1/completions`. One prompt per request: text, token ids, or a list of one."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -151,7 +171,7 @@ class ChatMessage(_Body):
         return {"role": self.role, "content": text}
 
 
-class ChatCompletionRequest(_SamplingBody):
+class ChatCompletionRequest(_SamplingBody, UnsupportedChatFields):
     """`POST /v1/chat/completions`. Without a token limit the server default applies."""
 
     messages: list[ChatMessage] = Field(min_length=1)

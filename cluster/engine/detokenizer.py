@@ -19,7 +19,10 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
+        resumed: tuple[int, ...] = (),
     ) -> None:
+        """`resumed`: output tokens already decoded (and their text streamed) elsewhere; they
+        are replayed, so text held back for a stop string there stays held here."""
         self.tokenizer = tokenizer
         self.tokens = list(prompt_token_ids[-6:])  # context for spacing rules, never emitted
         self.prefix_offset = 0
@@ -28,6 +31,9 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # all output text decoded so far (before any stop cut)
         self.emitted = 0  # chars of `text` already handed out
+        for token_id in resumed:  # a stop string among them would have ended the generation
+            self.add(token_id)
+        self.take(final=False)
 
     def add(self, token_id: int) -> bool:
         """Add one output token. Returns True if a stop string has now appeared."""

@@ -34,8 +34,8 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_leased: int  # blocks of prefilled prompts held for export (the prefill leases)
     kv_blocks_cached: int  # blocks registered in the prefix cache, in use or reclaimable
-    running: int
-    waiting: int
+    running: int  # sequences in the batch: prefilling or decoding
+    waiting: int  # queued for prefill, or reserved for an import whose KV has not landed yet
     held: int  # prefilled sequences whose KV is held for export (status HELD)
     queued_prompt_tokens: int  # prompt tokens still to prefill (cached prefixes not counted)
     generated_tokens: int  # tokens sampled by this engine since it was made
@@ -85,9 +85,9 @@ class Engine:
         """Join a sequence whose prompt KV was computed elsewhere: copy `kv` into our own free
         blocks, append the first token sampled by the prefill side, and decode from there."""
         self.layout.check_matches(kv.layout)
-        if kv.num_tokens != len(request.prompt_token_ids):
+        if kv.num_tokens != request.num_context_tokens:
             raise FailedPrecondition(
-                f"KV covers {kv.num_tokens} tokens, prompt has {len(request.prompt_token_ids)}"
+                f"KV covers {kv.num_tokens} tokens, the request has {request.num_context_tokens}"
             )
         shape = (self.layout.num_layers, self.blocks.blocks_for(kv.num_tokens))
         shape += self.layout.block_shape
@@ -103,8 +103,8 @@ class Engine:
         touches them) before `finish_import`. Until then the sequence is IMPORTING: never
         scheduled, freed by `abort`. Raises InvalidArgument / ResourceExhausted."""
         seq = self._new_sequence(request)
-        if not self.blocks.reserve(seq, seq.num_prompt_tokens):
-            n = self.blocks.blocks_for(seq.num_prompt_tokens)
+        if not self.blocks.reserve(seq, seq.num_context_tokens):
+            n = self.blocks.blocks_for(seq.num_context_tokens)
             raise ResourceExhausted(f"no room to import {n} KV blocks")
         seq.status = SequenceStatus.IMPORTING
         self.seqs[seq.request_id] = seq
@@ -116,7 +116,7 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.IMPORTING:
             raise NotFound(f"no KV import reserved for request {request_id!r}")
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_context_tokens
         self.scheduler.register_blocks(seq, 0)
         self._admit(seq)
         self.scheduler.add_running(seq)
@@ -138,6 +138,8 @@ class Engine:
         if rid in self.seqs:
             raise InvalidArgument(f"request_id {rid!r} is already in flight", param="request_id")
         self.info.check_request(ids, request.params)
+        request.params.check_vocab(self.info.spec.vocab_size)
+        _check_resumed(request, self.info.spec.vocab_size, self.max_model_len)
         longest = min(len(ids) + request.params.max_tokens, self.max_model_len)
         if self.blocks.blocks_for(longest) > self.blocks.num_blocks:
             raise InvalidArgument(
@@ -156,7 +158,10 @@ class Engine:
         self.seqs[seq.request_id] = seq
         if self.tokenizer is not None:
             self.detok[seq.request_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], seq.params.stop
+                self.tokenizer,
+                seq.token_ids[: seq.num_prompt_tokens],
+                seq.params.stop,
+                resumed=seq.request.output_token_ids,
             )
 
     # -- the loop --------------------------------------------------------------------------
@@ -239,7 +244,7 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.HELD:
             raise NotFound(f"no held KV for request {request_id!r}")
-        return list(seq.block_table), seq.num_prompt_tokens
+        return list(seq.block_table), seq.num_context_tokens
 
     def export_kv(self, request_id: str) -> KVExport:
         """Copy out the prompt KV of a held sequence. The blocks stay held until `release`."""
@@ -259,13 +264,17 @@ class Engine:
 
     def stats(self) -> EngineStats:
         held = [s for s in self.seqs.values() if s.status is SequenceStatus.HELD]
+        # An importing sequence (a decode stream whose prompt KV is still on its way) counts as
+        # waiting, as vLLM counts a request waiting for remote KV: it holds blocks and joins
+        # the batch as soon as its KV lands.
+        importing = sum(1 for s in self.seqs.values() if s.status is SequenceStatus.IMPORTING)
         return EngineStats(
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_leased=sum(len(s.block_table) for s in held),
             kv_blocks_cached=self.blocks.num_cached,
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + importing,
             held=len(held),
             queued_prompt_tokens=self.scheduler.tokens_to_prefill(),
             generated_tokens=self.generated_tokens,
@@ -281,3 +290,18 @@ class Engine:
             for out in self.step():
                 results[out.request_id].add(out)
         return list(results.values())
+
+
+def _check_resumed(request: Request, vocab: int, max_model_len: int) -> None:
+    """A resumed generation's outputs (decode migration) must be tokens of this model and leave
+    room to generate: fewer than `max_tokens`, and within the context with the prompt."""
+    resumed = request.output_token_ids
+    if not resumed:
+        return
+    if any(not 0 <= t < vocab for t in resumed):
+        raise InvalidArgument(f"output_token_ids out of vocabulary [0, {vocab})")
+    if len(resumed) >= request.params.max_tokens or request.num_context_tokens >= max_model_len:
+        raise InvalidArgument(
+            f"a generation resumed after {len(resumed)} tokens has no room left "
+            f"(max_tokens {request.params.max_tokens}, context {max_model_len})"
+        )

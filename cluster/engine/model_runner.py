@@ -104,5 +104,6 @@ class ModelRunner:
             [q.params for q in seqs],
             [q.seed for q in seqs],
             [q.num_output_tokens for q in seqs],
+            [q.token_ids for q in seqs],
         )
         return tokens, self.sampler.logprobs(logits, tokens, [q.params.logprobs for q in seqs])

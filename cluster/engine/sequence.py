@@ -30,8 +30,9 @@ class Sequence:
         self.params = request.params
         self.seed = seed
         self.eos_token_ids = eos_token_ids
-        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.token_ids: list[int] = [*request.prompt_token_ids, *request.output_token_ids]
         self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_context_tokens = request.num_context_tokens  # KV before the first new token
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.block_table: list[int] = []  # written only by the BlockManager

@@ -100,3 +100,44 @@ def test_the_last_chunk_carries_finish_reason_usage_timing_and_logprobs():
     first = chunk_to_proto(GenerationChunk("r1", (3,), "y"))
     assert first.finish_reason == pb.FINISH_REASON_UNSPECIFIED
     assert not first.HasField("usage") and not first.HasField("timing")
+
+
+def test_logit_adjustments_reach_the_request():
+    sampling = pb.SamplingParams(
+        repetition_penalty=1.2, frequency_penalty=-0.5, presence_penalty=2.0, min_p=0.1
+    )
+    sampling.logit_bias[7] = -100.0
+    sampling.logit_bias[3] = 2.5
+    p = request_from_proto(pb.GenerateRequest(prompt="x", sampling=sampling), FakeService()).params
+    assert p.logit_bias == ((3, 2.5), (7, -100.0))
+    assert (p.frequency_penalty, p.presence_penalty) == (-0.5, 2.0)
+    assert p.repetition_penalty == pytest.approx(1.2) and p.min_p == pytest.approx(0.1)
+    unset = request_from_proto(pb.GenerateRequest(prompt="x"), FakeService()).params
+    assert (unset.logit_bias, unset.repetition_penalty, unset.min_p) == ((), 1.0, 0.0)
+    assert not unset.adjusts_logits
+
+
+def _sampling(**fields) -> pb.SamplingParams:
+    bias = fields.pop("logit_bias", {})
+    s = pb.SamplingParams(**fields)
+    for token, value in bias.items():
+        s.logit_bias[token] = value
+    return s
+
+
+@pytest.mark.parametrize(
+    ("sampling", "param"),
+    [
+        (_sampling(presence_penalty=2.5), "presence_penalty"),
+        (_sampling(frequency_penalty=-3.0), "frequency_penalty"),
+        (_sampling(repetition_penalty=0.0), "repetition_penalty"),  # set: 0 is not "unset"
+        (_sampling(min_p=1.5), "min_p"),
+        (_sampling(logit_bias={5: 101.0}), "logit_bias"),
+        (_sampling(logit_bias={512: 1.0}), "logit_bias"),  # the fake's vocabulary is 512
+        (_sampling(logit_bias={t: 1.0 for t in range(301)}), "logit_bias"),
+    ],
+)
+def test_bad_logit_adjustments_are_refused_naming_them(sampling, param):
+    with pytest.raises(InvalidArgument) as e:
+        request_from_proto(pb.GenerateRequest(prompt="x", sampling=sampling), FakeService())
+    assert e.value.param == param and param in e.value.message

@@ -181,7 +181,8 @@ def test_many_exports_in_flight(model_dir, make_engine, hf):
 
 def test_a_reserved_import_is_never_scheduled_and_is_freed_unless_finished(model_dir, make_engine):
     """`reserve_import` holds blocks for a transport to write; until `finish_import` the
-    sequence does not run, and `cancel_import` (or `abort`) frees them."""
+    sequence does not run (its stats count it as waiting), and `cancel_import` (or `abort`)
+    frees them."""
     path = model_dir("llama-gqa")
     a, b = make_engine(path, block_size=4), make_engine(path, block_size=4)
     ids, params = prompt(10, seed=3), greedy(4)
@@ -190,6 +191,7 @@ def test_a_reserved_import_is_never_scheduled_and_is_freed_unless_finished(model
     for i, rid in enumerate(("cancelled", "aborted")):
         blocks = b.reserve_import(Request(rid, ids, params))
         assert len(blocks) == 3 and b.stats().kv_blocks_used == 3 * (i + 1)
+        assert (b.stats().running, b.stats().waiting) == (0, i + 1)
         assert not b.has_work() and b.step() == []
     assert b.cancel_import("cancelled") and not b.cancel_import("cancelled")
     assert b.abort("aborted") and b.stats().kv_blocks_used == 0
@@ -197,7 +199,9 @@ def test_a_reserved_import_is_never_scheduled_and_is_freed_unless_finished(model
     gathered = a.kv_cache.gather(a.held_blocks("r")[0])  # [2, layers, blocks, ...]
     assert gathered.shape == (2, *kv.k.shape)
     b.kv_cache.write(blocks, gathered[0], gathered[1])
+    assert (b.stats().running, b.stats().waiting) == (0, 1)
     b.finish_import("r", first)
+    assert (b.stats().running, b.stats().waiting) == (1, 0)
     assert not b.cancel_import("r")
     with pytest.raises(NotFound):
         b.finish_import("r", first)

@@ -111,7 +111,9 @@ async def _prefill(engine: AsyncEngine, prompt_len: int) -> float:
     """Prefill request "bench" (its KV stays held for a lease); returns the seconds it took."""
     gen = torch.Generator().manual_seed(0)
     ids = tuple(torch.randint(0, 1000, (prompt_len,), generator=gen).tolist())
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    # Two tokens: the prefill's, and one more so its KV is held (and a 2046-token prompt fits
+    # the presets' 2048-token context).
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     async for _ in await engine.generate(Request("bench", ids, params, prefill_only=True)):
         pass

@@ -80,8 +80,9 @@ def parse_args(
     if decode_tokens < 4:
         p.error("--decode-tokens must be >= 4")
     # The presets' max_position_embeddings is 2048 and the context includes the generated
-    # tokens. A 2047-token prompt finishes on the prefill's token ("length"), so no KV ever
-    # moves; 2046 tokens is the longest prompt that is handed to decode (same 128 KV blocks).
+    # tokens (prompt + max_tokens beyond it is refused). A 2047-token prompt has room for the
+    # prefill's token only, so no KV ever moves; 2046 tokens is the longest prompt that is
+    # handed to decode, with max_tokens 2 (same 128 KV blocks).
     long_prompts = (32, 126) if q else (512, 2046)
     need = -(-(max(long_prompts) + decode_tokens) // 16)
     cfg = ServingBenchConfig(

@@ -202,7 +202,8 @@ async def timed_fetches(
     """Prefill one prompt on the real replica, fetch its held KV `1 + cfg.fetches` times (the
     first is a warm-up), release it. Returns [(bytes, seconds)] of the timed fetches."""
     prompt = make_prompt(cfg, engine, n_tok, salt=n_tok)
-    params = SamplingParams(max_tokens=cfg.decode_tokens, temperature=0.0, ignore_eos=True)
+    fits = min(cfg.decode_tokens, engine.max_model_len - n_tok)  # >= 2: the KV stays held
+    params = SamplingParams(max_tokens=fits, temperature=0.0, ignore_eos=True)
     result = await prefill.prefill.remote(Request(uuid.uuid4().hex, tuple(prompt), params))
     handle = result.handle
     assert handle is not None, f"a {n_tok}-token prompt finished in prefill: no KV to fetch"

@@ -18,8 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import grpc
 
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -38,7 +41,9 @@ def add_generation_servicer(servicer: Any, server: Any) -> None:
 
     def make(*args: Any, **kwargs: Any) -> Callable:
         handler = factory(*args, **kwargs)
-        return detach_stream(handler) if inspect.isasyncgenfunction(handler) else handler
+        if inspect.isasyncgenfunction(handler):
+            return detach_stream(handler)
+        return _with_status_mapping(handler)
 
     server.service_handler_factory = make
     try:
@@ -88,10 +93,29 @@ async def _cancel_at_next_wait(messages: AsyncIterator[Any]) -> None:
             return  # ended (StopAsyncIteration) or failed: nothing left running
 
 
+def _with_status_mapping(handler: Callable) -> Callable:
+    """A unary handler that sees the context through a `DetachableContext` (never detached),
+    for its status mapping."""
+
+    async def unary(request: Any, context: Any) -> Any:
+        return await handler(request, DetachableContext(context))
+
+    return unary
+
+
+# How Ray words an actor (here: the router replica) that died or cannot be reached.
+_REPLICA_GONE = re.compile(r"\bactor\b.*\b(is unavailable|died|is dead)\b", re.I | re.S)
+
+
 class DetachableContext:
     """A grpc servicer context that can be cut off from its RPC. Until `detach` every attribute
     is the real context's; after it, its methods do nothing and return None, except `peer`,
-    which keeps answering the address read when the RPC began."""
+    which keeps answering the address read when the RPC began.
+
+    It also corrects one status: the proxy reports a router replica that died under a call as
+    INTERNAL (any `RayActorError` is INTERNAL to it), but a replica gone is UNAVAILABLE, the
+    code that tells a client to retry. The proxy sets the code, then the details; the details
+    show which it was."""
 
     def __init__(self, context: Any) -> None:
         self._context = context
@@ -103,6 +127,13 @@ class DetachableContext:
 
     def peer(self) -> str:
         return self._peer
+
+    def set_details(self, details: str) -> None:
+        if not self.attached:
+            return
+        if self._context.code() == grpc.StatusCode.INTERNAL and _REPLICA_GONE.search(details):
+            self._context.set_code(grpc.StatusCode.UNAVAILABLE)
+        self._context.set_details(details)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._context, name)

@@ -4,7 +4,7 @@
   3. the first token goes to the client at once (time to first token).
   4. `_decode`: the decode pool pulls the KV named in the handle and decodes the rest.
   5. `_relay`: the worker's engine thread sends the tokens to this router's token server
-     (router/token_stream.py) for as long as the Serve call to the worker lasts; `_Tally` adds
+     (router/token_stream.py) for as long as the Serve call to the worker lasts; `Tally` adds
      finish reason, usage and the phase timings to the last chunk.
 In colocated mode one pool does 2-4 in one engine (`_colocated`).
 
@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ray.exceptions import RayActorError
@@ -39,11 +39,18 @@ from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
 from cluster.serving.stats_registry import registry
-from router.generation_chunk import GenerationChunk, Timing, Usage
+from router.generation_chunk import GenerationChunk
 from router.generation_service import ServedModel
 from router.lease_releases import LeaseReleases
 from router.pool_status import ClusterStats, kv_transport, pool_statuses
+from router.tally import Tally
 from router.token_stream import TokenStreamServer
+
+
+@dataclass(frozen=True)
+class _ServerMaxTokens(SamplingParams):
+    """Sampling parameters whose `max_tokens` the client left to the server: `build_request`
+    fits the server's default to what the context leaves after the prompt."""
 
 
 class Orchestrator:
@@ -104,7 +111,7 @@ class Orchestrator:
         )
         if params.seed is None and not params.greedy:
             params = replace(params, seed=random.getrandbits(63))
-        return params
+        return params if max_tokens is not None else _ServerMaxTokens(**vars(params))
 
     def build_request(
         self,
@@ -123,6 +130,9 @@ class Orchestrator:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = []
+        if isinstance(params, _ServerMaxTokens):  # fit the server's default to the context
+            fitted = self.info.default_max_tokens(ids, params.max_tokens)
+            params = SamplingParams(**{**vars(params), "max_tokens": fitted})
         self.info.check_request(ids, params)
         return Request(request_id or uuid.uuid4().hex, tuple(ids), params)
 
@@ -145,12 +155,12 @@ class Orchestrator:
         refused requests; DeadlineExceeded once `request_timeout_seconds` has passed."""
         start = time.monotonic()
         deadline = start + self.config.request_timeout_seconds
+        tally = Tally(request, start, self.metrics)
         steps = (
-            self._colocated(request)
+            self._colocated(request, tally)
             if self.config.mode == "colocated"
-            else self._disaggregated(request)
+            else self._disaggregated(request, tally)
         )
-        tally = _Tally(request, start, self.metrics)
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -172,30 +182,52 @@ class Orchestrator:
         finally:
             await steps.aclose()
 
-    def _colocated(self, request: Request) -> AsyncIterator[WorkerChunk]:
-        return self._relay(request.request_id, self.colocated.generate, request)
+    async def _colocated(self, request: Request, tally: Tally) -> AsyncIterator[WorkerChunk]:
+        """One colocated call; if it fails (UNAVAILABLE: a replica died, a stream was lost or
+        aborted) the generation resumes on another replica from the tokens the client has."""
+        done: list[int] = []  # the tokens the client has
+        while True:
+            streamed = False
+            try:
+                relay = self._relay(
+                    request.request_id, self.colocated.generate, _resumed(request, done)
+                )
+                async with aclosing(relay) as chunks:
+                    async for chunk in chunks:
+                        streamed = True
+                        done.extend(chunk.output.token_ids)
+                        yield chunk
+                return
+            except Exception as e:
+                if not self._may_resume(e, streamed, tally, "colocated"):
+                    raise
 
-    async def _disaggregated(self, request: Request) -> AsyncIterator[WorkerChunk]:
-        """Prefill, then decode. When the decode hop fails before its first token (the lease
-        expired, a replica died), the request is prefilled again and the decode retried; the
-        router fixed the seed, so the first token the client already has does not change.
+    async def _disaggregated(self, request: Request, tally: Tally) -> AsyncIterator[WorkerChunk]:
+        """Prefill, then decode. When a hop fails with UNAVAILABLE (a replica died, a lease
+        expired, a token stream was lost or aborted) the generation resumes from the tokens the
+        client has: prompt + those tokens are prefilled again (the prefix cache and affinity
+        make that cheap) and decoded on a live replica. The router fixed the seed and sampling
+        depends on (seed, position) only, so the client sees one stream, no token lost or
+        repeated. `max_retries` bounds resumes before any decoded token, `max_migrations`
+        those after (decode migration).
 
         The router holds a prefilled prompt's lease from the prefill result to the decode
         worker's first chunk (by then the worker has fetched the KV and released the lease
         itself): a request that ends in between, cancelled or failed, releases it at once."""
-        sent_first = False
-        for attempt in range(self.config.max_retries + 1):
-            result = await self._prefill(request)
+        done: list[int] = []  # the tokens the client has
+        while True:
+            resumed = _resumed(request, done)
+            result = await self._prefill(resumed)
             decoded = False
             try:
-                if not sent_first:
-                    sent_first = True
-                    yield _first_chunk(result)
+                done.extend(result.first.token_ids)
+                yield _first_chunk(result)
                 if result.handle is None:
                     return
-                async with aclosing(self._decode(request, result)) as chunks:
+                async with aclosing(self._decode(resumed, result)) as chunks:
                     async for chunk in chunks:
                         decoded = True
+                        done.extend(chunk.output.token_ids)
                         yield chunk
                 return
             except (asyncio.CancelledError, GeneratorExit):
@@ -205,8 +237,24 @@ class Orchestrator:
             except Exception as e:
                 if not decoded:
                     self.leases.release(result.handle, "aborted")
-                if decoded or attempt == self.config.max_retries or not isinstance(e, Unavailable):
+                if not self._may_resume(e, decoded, tally, "decode"):
                     raise
+
+    def _may_resume(self, e: Exception, streamed: bool, tally: Tally, pool: str) -> bool:
+        """Whether a hop that failed with `e` is tried again from where the client is: on
+        UNAVAILABLE only, within `max_migrations` once the failed hop had streamed tokens,
+        else within `max_retries`."""
+        if not isinstance(e, Unavailable):
+            return False
+        if not streamed:
+            tally.retries += 1
+            return tally.retries <= self.config.max_retries
+        if tally.migrations >= self.config.max_migrations:
+            return False
+        tally.migrations += 1
+        if self.metrics is not None:
+            self.metrics.inc("pdserve_request_migrations_total", from_pool=pool)
+        return True
 
     async def _prefill(self, request: Request) -> PrefillResult:
         for attempt in range(self.config.max_retries + 1):
@@ -261,6 +309,8 @@ class Orchestrator:
                 while not finished:
                     chunk = await sub.next()
                     finished = chunk.output.finished
+                    if chunk.output.finish_reason == "abort":  # the worker gave up on it
+                        raise Unavailable(f"replica {chunk.replica_id} aborted the stream")
                     yield chunk
             finally:
                 # The stream has carried the call's outcome already; nobody awaits it any more.
@@ -297,6 +347,11 @@ def _first_chunk(result: PrefillResult) -> WorkerChunk:
     )
 
 
+def _resumed(request: Request, done: list[int]) -> Request:
+    """`request`, to go on after the tokens `done` the client already has."""
+    return replace(request, output_token_ids=tuple(done)) if done else request
+
+
 def _outcome_seen(call: asyncio.Future) -> None:
     if not call.cancelled():
         call.exception()  # marks it retrieved: no "Task exception was never retrieved"
@@ -309,78 +364,3 @@ async def _transient_as_unavailable(call):
         return await call
     except (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError) as e:
         raise Unavailable(f"a replica became unavailable: {type(e).__name__}") from None
-
-
-class _Tally:
-    """Turns worker chunks into client chunks, accounting phases (and the router's metrics)
-    as they pass."""
-
-    def __init__(self, request: Request, start: float, metrics: PoolMetrics | None) -> None:
-        self.request = request
-        self.start = start
-        self.metrics = metrics
-        self.last_at = start
-        self.completion_tokens = 0
-        self.cached_prompt_tokens = 0
-        self.first_token_at: float | None = None
-        self.queue = self.prefill = self.transfer = 0.0
-        self.prefill_replica = self.decode_replica = ""
-
-    def add(self, chunk: WorkerChunk) -> GenerationChunk:
-        now = time.monotonic()
-        out = chunk.output
-        if self.first_token_at is None:
-            self.first_token_at = now
-            self.prefill_replica = chunk.replica_id
-            self.cached_prompt_tokens = out.num_cached_tokens
-            self._observe("pdserve_time_to_first_token_seconds", now - self.start)
-        else:
-            self.decode_replica = chunk.replica_id
-            if out.token_ids:
-                gap = (now - self.last_at) / len(out.token_ids)
-                self._observe("pdserve_inter_token_latency_seconds", gap)
-        self.last_at = now
-        self.queue += chunk.queue_seconds
-        self.prefill += chunk.prefill_seconds
-        self.transfer += chunk.kv_transfer_seconds
-        self.completion_tokens += len(out.token_ids)
-        if out.finish_reason is None:
-            return GenerationChunk(
-                self.request.request_id, out.token_ids, out.text, logprobs=out.logprobs
-            )
-        self._finished(out.finish_reason, now)
-        return GenerationChunk(
-            self.request.request_id,
-            out.token_ids,
-            out.text,
-            finish_reason=out.finish_reason,
-            logprobs=out.logprobs,
-            usage=Usage(
-                len(self.request.prompt_token_ids),
-                self.completion_tokens,
-                cached_prompt_tokens=self.cached_prompt_tokens,
-            ),
-            timing=Timing(
-                queue_seconds=self.queue,
-                prefill_seconds=self.prefill,
-                kv_transfer_seconds=self.transfer,
-                time_to_first_token_seconds=self.first_token_at - self.start,
-                decode_seconds=now - self.first_token_at,
-                total_seconds=now - self.start,
-                prefill_replica=self.prefill_replica,
-                decode_replica=self.decode_replica or self.prefill_replica,
-            ),
-        )
-
-    def _observe(self, name: str, value: float) -> None:
-        if self.metrics is not None:
-            self.metrics.observe(name, value)
-
-    def _finished(self, reason: str, now: float) -> None:
-        if self.metrics is None:
-            return
-        self.metrics.observe("pdserve_e2e_request_latency_seconds", now - self.start)
-        self.metrics.inc("pdserve_prompt_tokens_total", len(self.request.prompt_token_ids))
-        self.metrics.inc("pdserve_cached_prompt_tokens_total", self.cached_prompt_tokens)
-        self.metrics.inc("pdserve_generation_tokens_total", self.completion_tokens)
-        self.metrics.inc("pdserve_requests_finished_total", reason=reason)

@@ -109,9 +109,10 @@ def app_metadata(name: str) -> tuple[tuple[str, str], ...]:
 
 def wait_for_idle(ends: ServeEndpoints, app: str, pools: set[str], timeout: float = 20.0):
     """Poll GetStats until every replica of `pools` reports zero used and leased blocks.
-    Replicas push their stats every REPORT_INTERVAL_S, so the first poll waits that long (and a
-    little more): an answer from before the caller's requests ended could otherwise pass. A
-    leak then shows up as a timeout, never as a pass."""
+    Replicas push their stats when they change (sampled every SAMPLE_INTERVAL_S) and at least
+    every REPORT_INTERVAL_S, so the first poll waits that long (and a little more): an answer
+    from before the caller's requests ended could otherwise pass. A leak then shows up as a
+    timeout, never as a pass."""
     s = stub(ends)
     deadline = time.monotonic() + timeout
     time.sleep(REPORT_INTERVAL_S + 0.3)

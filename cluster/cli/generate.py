@@ -95,7 +95,8 @@ def _local(args: argparse.Namespace, ids: list[int] | None) -> int:
             raise SystemExit("this checkpoint has no tokenizer: use --prompt-token-ids")
         ids = engine.tokenizer.encode(args.prompt, add_special_tokens=False)
     params = SamplingParams(
-        max_tokens=args.max_tokens or engine.config.default_max_tokens,
+        max_tokens=args.max_tokens
+        or engine.info.default_max_tokens(ids, engine.config.default_max_tokens),
         temperature=1.0 if args.temperature is None else args.temperature,
         top_p=1.0 if args.top_p is None else args.top_p,
         top_k=args.top_k,

@@ -95,13 +95,18 @@ class ModelInfo:
 
     def check_request(self, ids: tuple[int, ...] | list[int], params: SamplingParams) -> None:
         """Refuse, naming the field, a prompt or parameters this model cannot serve. The router
-        runs this before any worker is touched; the engine runs it again on admission."""
+        runs this before any worker is touched; the engine runs it again on admission.
+
+        The prompt and `max_tokens` must fit the context together (`prompt + max_tokens <=
+        max_model_len`): a request that asks for more is refused, never silently cut short.
+        One that leaves `max_tokens` to the server gets `default_max_tokens`, which fits."""
         if not ids:
             raise InvalidArgument("prompt is empty", param="prompt")
-        if len(ids) >= self.max_model_len:
+        context, prompt, completion = self.max_model_len, len(ids), params.max_tokens
+        if prompt >= context:
             raise InvalidArgument(
-                f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
-                "including at least one generated token",
+                f"this model's context is {context} tokens, and the prompt has {prompt}: "
+                "it must leave room for at least one generated token",
                 param="prompt",
             )
         vocab = self.spec.vocab_size
@@ -111,8 +116,21 @@ class ModelInfo:
                 f"prompt_token_ids out of vocabulary [0, {vocab}): {bad[:5]}",
                 param="prompt_token_ids",
             )
+        if prompt + completion > context:
+            raise InvalidArgument(
+                f"this model's context is {context} tokens, but the request needs "
+                f"{prompt + completion} ({prompt} in the prompt + {completion} max_tokens); "
+                f"lower max_tokens to at most {context - prompt} or shorten the prompt",
+                param="max_tokens",
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop strings need a tokenizer; this model has none", "stop")
+
+    def default_max_tokens(self, ids: tuple[int, ...] | list[int], server_default: int) -> int:
+        """`max_tokens` for a request that did not set it: the server's default, cut to what
+        the context leaves after the prompt, so an omitted `max_tokens` never makes a long
+        prompt fail (a prompt that fills the context is still refused by `check_request`)."""
+        return max(1, min(server_default, self.max_model_len - len(ids)))
 
 
 def describe_model(config: ModelConfig) -> ModelInfo:

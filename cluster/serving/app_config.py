@@ -123,6 +123,8 @@ class AppConfig:
     request_timeout_seconds: float = 300.0
     # Retries of the prefill hop (and of the whole request when a lease expired) on UNAVAILABLE.
     max_retries: int = 2
+    # Resumes of a generation on another replica after its hop failed mid-stream (migration).
+    max_migrations: int = 3
     name: str = "pdserve"
 
     def __post_init__(self) -> None:
@@ -133,8 +135,8 @@ class AppConfig:
             raise InvalidArgument("prefill and decode pools must use the same KV block_size")
         if self.default_max_tokens <= 0 or self.request_timeout_seconds <= 0:
             raise InvalidArgument("default_max_tokens and request_timeout_seconds must be > 0")
-        if self.max_retries < 0:
-            raise InvalidArgument("max_retries must be >= 0")
+        if self.max_retries < 0 or self.max_migrations < 0:
+            raise InvalidArgument("max_retries and max_migrations must be >= 0")
         if self.router.engine_cpus:
             raise InvalidArgument("engine_cpus is for the engine pools; the router has no engine")
         if self.transfer.transport == "nccl" and not self.model.device.startswith("cuda"):

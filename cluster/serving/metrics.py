@@ -58,6 +58,12 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("pool", "outcome"),
     ),
     "pdserve_requests_finished_total": ("counter", "Finished requests", ("pool", "reason")),
+    "pdserve_request_migrations_total": (
+        "counter",
+        "Generations resumed on another replica after a replica of `from_pool` failed "
+        "mid-stream (decode migration)",
+        ("pool", "from_pool"),
+    ),
 }
 
 

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import torch
 
@@ -23,6 +24,11 @@ from cluster.serving.pool_messages import ReplicaStats
 from cluster.serving.stats_registry import registry
 
 log = logging.getLogger(__name__)
+# The engine's figures are sampled every SAMPLE_INTERVAL_S and pushed to the stats registry as
+# soon as they change, so `GetStats`, `pdserve status` and the autoscaling signals lag the
+# engine by at most about one sample (plus the engine step that sample waits for). Unchanged
+# figures are pushed again every REPORT_INTERVAL_S, so no registry entry is older than that.
+SAMPLE_INTERVAL_S = 0.2
 REPORT_INTERVAL_S = 1.0
 
 
@@ -60,7 +66,8 @@ class EngineReplica:
         self.layout = self.engine.layout
         self.metrics = PoolMetrics(pool)
         self.registry = registry(config.name)
-        self.last_stats: ReplicaStats | None = None
+        self.last_stats: ReplicaStats | None = None  # the latest sample
+        self._pushed: ReplicaStats | None = None  # the latest pushed to the registry
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
     async def stats(self) -> ReplicaStats:
@@ -107,21 +114,32 @@ class EngineReplica:
 
     async def _report_loop(self) -> None:
         while True:
+            began = time.monotonic()
             try:
                 await self._report()
             except Exception:  # reporting must never take the replica down
                 log.exception("stats report failed")
-            await asyncio.sleep(REPORT_INTERVAL_S)
+            await asyncio.sleep(max(0.0, began + SAMPLE_INTERVAL_S - time.monotonic()))
 
     async def _report(self) -> None:
+        """Sample the engine's figures; publish them (registry and gauges) when they differ
+        from the last published, or when that is nearly REPORT_INTERVAL_S old."""
         s = await self.stats()
         self.last_stats = s
+        last = self._pushed
+        if (
+            last is not None
+            and replace(last, updated_at=s.updated_at) == s
+            and s.updated_at - last.updated_at < REPORT_INTERVAL_S - SAMPLE_INTERVAL_S
+        ):
+            return
         self.metrics.set("pdserve_replica_up", 1.0)
         self.metrics.set("pdserve_kv_cache_usage", s.kv_blocks_used / max(1, s.kv_blocks_total))
         self.metrics.set("pdserve_running_sequences", s.running)
         self.metrics.set("pdserve_waiting_sequences", s.waiting)
         self.metrics.set("pdserve_queued_prompt_tokens", s.queued_prompt_tokens)
         await self.registry.put.remote(s)
+        self._pushed = s
 
     async def _shutdown(self) -> None:
         """Abort what is still running (streams end with finish reason "abort"), then stop."""

@@ -1,9 +1,10 @@
 """Where every engine replica reports its KV and queue numbers, so `GetStats` can list them all.
 
 Serve handles route each call to one replica, so the router cannot ask every replica itself.
-Instead each engine replica pushes its `ReplicaStats` to one named Ray actor per application on
-a short timer (see `EngineReplica`) and removes itself at shutdown; entries that stop arriving
-(a replica that died) age out after `ttl`.
+Instead each engine replica pushes its `ReplicaStats` to one named Ray actor per application
+whenever its figures change (sampled every 0.2 s) and at least once a second (see
+`EngineReplica._report`), and removes itself at shutdown; entries that stop arriving (a replica
+that died) age out after `ttl`.
 """
 
 from __future__ import annotations

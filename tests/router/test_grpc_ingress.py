@@ -150,6 +150,10 @@ def test_without_it_a_cancel_during_a_write_leaves_the_call_running():
 class FakeContext:
     def __init__(self) -> None:
         self.codes: list[grpc.StatusCode] = []
+        self.details: list[str] = []
+
+    def set_details(self, details: str) -> None:
+        self.details.append(details)
 
     def peer(self) -> str:
         return "ipv4:10.0.0.1:5000"
@@ -197,6 +201,35 @@ def test_on_serves_proxy_server_only_the_streaming_handlers_are_detached():
         generate = handlers["/pdserve.v1.Generation/Generate"]
         assert "detach_stream" in generate.unary_stream.__qualname__
         assert inspect.isasyncgenfunction(generate.unary_stream)
-        assert handlers["/pdserve.v1.Generation/GetStats"].unary_unary in made
+        get_stats = handlers["/pdserve.v1.Generation/GetStats"].unary_unary
+        assert "_with_status_mapping" in get_stats.__qualname__ and get_stats not in made
 
     asyncio.run(go())
+
+
+def test_a_router_replica_gone_is_unavailable_not_internal():
+    """Serve's proxy reports any actor error as INTERNAL; a dead router replica (Ray's words
+    for it) becomes UNAVAILABLE, every other INTERNAL stays."""
+    gone = [
+        "The actor 57234f5d is unavailable: Actor is unavailable.. The task may or may not have "
+        "been executed on the actor.",
+        "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.",
+    ]
+    for details in gone:
+        real = FakeContext()
+        ctx = DetachableContext(real)
+        ctx.set_code(grpc.StatusCode.INTERNAL)
+        ctx.set_details(details)
+        assert real.codes[-1] == grpc.StatusCode.UNAVAILABLE and real.details == [details]
+    for code, details in [
+        (grpc.StatusCode.INTERNAL, "KeyError: 'x'"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "The actor is unavailable"),
+    ]:
+        real = FakeContext()
+        ctx = DetachableContext(real)
+        ctx.set_code(code)
+        ctx.set_details(details)
+        assert real.codes == [code]
+    ctx.detach()
+    ctx.set_details("The actor died")
+    assert real.details == ["The actor is unavailable"]

@@ -6,7 +6,7 @@ duplicate tokens the client has. Tokens travel as in the app: a real `TokenStrea
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -54,10 +54,18 @@ class _Call:
             self.task.cancel()
 
 
+def _out(rid: str, i: int, max_tokens: int, last: str = "length") -> StepOutput:
+    """The fake model's output `i` of a generation: token 7 + i, text "abc..."[i]; the last
+    one (`max_tokens` reached) finishes it with reason `last`."""
+    done = i + 1 >= max_tokens
+    return StepOutput(rid, (7 + i,), "abcdefghij"[i], last if done else None, 3, i + 1)
+
+
 @dataclass
 class FakePools:
     prefill_failures: int = 0
-    # per attempt: "ok", "fail-early", "fail-late" or "hang" (no token after the first)
+    # per decode (or colocated) call: "ok", "fail-early", "fail-late" (after one token),
+    # "abort" (a worker shutting down ends the stream with finish reason "abort") or "hang"
     decode_plan: list[str] = field(default_factory=list)
     prefill_seconds: float = 0.0  # how long a prefill call takes
     cancel_too_late: bool = False  # cancelling a prefill call does not stop it
@@ -65,6 +73,7 @@ class FakePools:
     decode_calls: int = 0
     worker_calls: list[asyncio.Task] = field(default_factory=list)
     prefill_tasks: list[asyncio.Task] = field(default_factory=list)
+    resumed_at: list[int] = field(default_factory=list)  # per call: len(output_token_ids)
 
     @property
     def prefill(self):
@@ -86,7 +95,9 @@ class FakePools:
 
     async def _send(self, payload, route):
         request = getattr(payload, "request", payload)  # a DecodeRequest, or a Request
-        plan = self._colocated(request) if payload is request else self._decode(payload)
+        self.resumed_at.append(len(request.output_token_ids))
+        start = len(request.output_token_ids) + (payload is not request)  # decode: after first
+        plan = self._worker(request, start, "c0" if payload is request else "d0")
         sender = TokenSender()
         try:
             sink = None
@@ -113,7 +124,11 @@ class FakePools:
         await asyncio.sleep(self.prefill_seconds)
         if self.prefill_calls <= self.prefill_failures:
             raise Unavailable("prefill replica draining")
-        first = StepOutput(request.request_id, (7,), "a", "prefilled", 3, 1)
+        self.resumed_at.append(len(request.output_token_ids))
+        first = _out(request.request_id, len(request.output_token_ids), request.params.max_tokens)
+        if first.finished:  # the generation ended on the prefill's token
+            return PrefillResult(first, None, "p0", 0.0, 0.01)
+        first = replace(first, finish_reason="prefilled")
         handle = KVHandle(
             request_id=request.request_id,
             num_tokens=3,
@@ -128,23 +143,22 @@ class FakePools:
         )
         return PrefillResult(first, handle, "p0", 0.0, 0.01)
 
-    async def _decode(self, decode_request):
-        plan = self.decode_plan[self.decode_calls]
+    async def _worker(self, request, start: int, replica: str):
+        """A decode or colocated call's chunks: outputs `start`.. of the generation."""
+        plan = self.decode_plan[self.decode_calls] if self.decode_plan else "ok"
         self.decode_calls += 1
         if plan == "fail-early":
             raise Unavailable("lease expired")
-        rid = decode_request.request.request_id
-        yield WorkerChunk(StepOutput(rid, (8,), "b", None, 3, 2), "d0", kv_transfer_seconds=0.01)
-        if plan == "fail-late":
-            raise Unavailable("replica died")
-        if plan == "hang":
-            await asyncio.Event().wait()
-        yield WorkerChunk(StepOutput(rid, (9,), "c", "length", 3, 3), "d0")
-
-    async def _colocated(self, request):
-        rid = request.request_id
-        yield WorkerChunk(StepOutput(rid, (7,), "a", None, 3, 1), "c0", prefill_seconds=0.01)
-        yield WorkerChunk(StepOutput(rid, (8,), "b", "length", 3, 2), "c0")
+        rid, n = request.request_id, request.params.max_tokens
+        for i in range(start, n):
+            if i > start and plan == "fail-late":
+                raise Unavailable("replica died")
+            if i > start and plan == "abort":
+                yield WorkerChunk(StepOutput(rid, (), "", "abort", 3, i), replica)
+                return
+            if i > start and plan == "hang":
+                await asyncio.Event().wait()
+            yield WorkerChunk(_out(rid, i, n), replica, prefill_seconds=0.01 * (i == 0))
 
 
 class Releases:
@@ -176,13 +190,17 @@ async def prefill_endpoints() -> list[str]:
     return PREFILL_ENDPOINTS
 
 
-def run(pools: FakePools, take: int | None = None, **config) -> list:
+def run(pools: FakePools, take: int | None = None, max_tokens: int = 3, **config) -> list:
     """The chunks of one request; with `take`, the client stops reading after that many."""
-    return asyncio.run(run_async(pools, take, **config))[0]
+    return asyncio.run(run_async(pools, take, max_tokens=max_tokens, **config))[0]
 
 
 async def run_async(
-    pools: FakePools, take: int | None = None, releases: Releases | None = None, **config
+    pools: FakePools,
+    take: int | None = None,
+    releases: Releases | None = None,
+    max_tokens: int = 3,
+    **config,
 ):
     spec = ArchSpec(
         512, 64, 128, 2, 4, 2, 8, 1e-5, 256, {}, False, False, False, False, False, None
@@ -199,7 +217,7 @@ async def run_async(
         orch = Orchestrator(config, info, pools.prefill, pools.decode, pools.colocated, tokens)
         releases = releases or Releases()
         orch.leases = LeaseReleases(releases, CAPABILITY, prefill_endpoints)
-        params = SamplingParams(max_tokens=3, temperature=0.0)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         request = orch.build_request(None, [1, 2, 3], params, "r1")
         got = []
         stream = orch.generate(request)
@@ -236,11 +254,45 @@ def test_decode_failing_before_its_first_token_is_redone_without_duplicates():
     assert pools.prefill_calls == 2 and pools.decode_calls == 2
 
 
-def test_decode_failing_mid_stream_is_not_replayed():
+def test_decode_failing_mid_stream_migrates_without_losing_or_repeating_a_token():
+    """The decode replica dies (or aborts the stream) after streaming tokens: prompt + the
+    tokens the client has are prefilled again and decoding goes on elsewhere; the client sees
+    one stream, and the last message counts the migration."""
+    for failure in ("fail-late", "abort"):
+        pools = FakePools(decode_plan=[failure, "ok"])
+        chunks = run(pools, max_tokens=6)
+        assert tokens(chunks) == [7, 8, 9, 10, 11, 12], failure
+        assert "".join(c.text for c in chunks) == "abcdef"
+        # prefill (0 done), decode, prefill of prompt + the 2 tokens streamed, decode
+        assert pools.resumed_at == [0, 0, 2, 2] and pools.decode_calls == 2
+        last = chunks[-1]
+        assert last.finish_reason == "length" and last.usage.completion_tokens == 6
+        assert last.timing.migrations == 1
+
+
+def test_migrations_are_bounded():
+    pools = FakePools(decode_plan=["fail-late"] * 3)
+    with pytest.raises(Unavailable):
+        run(pools, max_tokens=9, max_migrations=2)
+    assert pools.decode_calls == 3 and pools.resumed_at[-1] == 4
     pools = FakePools(decode_plan=["fail-late", "ok"])
     with pytest.raises(Unavailable):
-        run(pools)
+        run(pools, max_tokens=9, max_migrations=0)
     assert pools.decode_calls == 1
+
+
+def test_a_migration_resumed_on_the_last_token_finishes_in_prefill():
+    pools = FakePools(decode_plan=["fail-late"])
+    chunks = run(pools, max_tokens=3)
+    assert tokens(chunks) == [7, 8, 9] and chunks[-1].finish_reason == "length"
+    assert pools.resumed_at == [0, 0, 2] and chunks[-1].timing.migrations == 1
+
+
+def test_colocated_generation_migrates_too():
+    pools = FakePools(decode_plan=["fail-late", "ok"])
+    chunks = run(pools, mode="colocated", max_tokens=4)
+    assert tokens(chunks) == [7, 8, 9, 10] and pools.resumed_at == [0, 1]
+    assert chunks[-1].timing.migrations == 1
 
 
 def test_retries_are_bounded():
@@ -328,7 +380,7 @@ def test_a_request_past_its_deadline_fails_and_cancels_the_worker_call():
 def test_colocated_streams_one_worker_call():
     pools = FakePools()
     chunks = run(pools, mode="colocated")
-    assert tokens(chunks) == [7, 8] and pools.prefill_calls == pools.decode_calls == 0
+    assert tokens(chunks) == [7, 8, 9] and pools.prefill_calls == 0 and pools.decode_calls == 1
     last = chunks[-1]
     assert last.finish_reason == "length" and last.timing.prefill_replica == "c0"
     assert last.timing.prefill_seconds == pytest.approx(0.01)

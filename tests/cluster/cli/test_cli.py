@@ -51,6 +51,18 @@ def test_generate_local_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "INVALID_ARGUMENT" in err and "temperature" in err
 
 
+def test_generate_local_without_max_tokens_fits_the_default_to_the_context(tmp_path, capsys):
+    """The default (256) is cut to what the context (2048) leaves after a long prompt."""
+    out_dir = tmp_path / "tiny"
+    main(["make-model", str(out_dir)])
+    capsys.readouterr()
+    ids = ",".join(str(50 + i % 4000) for i in range(2040))
+    args = ["generate", "--local", "--model", str(out_dir), "--json", "--prompt-token-ids", ids]
+    assert main([*args, "--temperature", "0", "--ignore-eos"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["usage"]["completion_tokens"] == 8 and got["finish_reason"] == "length"
+
+
 def test_node_env_is_set_for_a_ray_started_here_unless_already_set(monkeypatch):
     assert NODE_ENV_VARS["RAY_SERVE_PROXY_USE_GRPC"] == "1"
     for key in NODE_ENV_VARS:

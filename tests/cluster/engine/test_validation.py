@@ -66,12 +66,27 @@ def test_bad_prompt_is_refused_and_engine_keeps_serving(ids, param, words, path,
     assert results["busy"].finish_reason == "length"
 
 
-def test_prompt_one_short_of_context_runs_to_the_limit(path, make_engine, hf):
+def test_prompt_and_max_tokens_filling_the_context_run_to_the_limit(path, make_engine, hf):
     engine = make_engine(path)
-    ids = prompt(CONTEXT - 1, seed=4)
-    out = run_to_completion(engine, [Request("r", ids, greedy(10))])["r"]
+    ids = prompt(CONTEXT - 3, seed=4)
+    out = run_to_completion(engine, [Request("r", ids, greedy(3))])["r"]
     assert out.finish_reason == "length"
-    hf.assert_greedy(path, ids, out.token_ids, 1)
+    hf.assert_greedy(path, ids, out.token_ids, 3)
+
+
+def test_max_tokens_past_the_context_is_refused_and_engine_keeps_serving(path, make_engine, hf):
+    """Refused on admission too (the router checks first), never silently cut short."""
+    engine = make_engine(path, block_size=4)
+    engine.add_request(Request("busy", prompt(9, seed=2), greedy(6)))
+    results: dict = {}
+    step_into(engine, results)
+    for max_tokens in (4, 2**31 - 1):
+        with pytest.raises(InvalidArgument) as err:
+            engine.add_request(Request("bad", prompt(CONTEXT - 3, seed=4), greedy(max_tokens)))
+        assert err.value.param == "max_tokens"
+        assert str(CONTEXT) in str(err.value) and str(max_tokens) in str(err.value)
+    assert "bad" not in engine.seqs
+    _assert_serves(engine, path, hf, results)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,207 @@
+"""A replica dies, no request fails: replicas of an app of its own ("faults", 2 routers, 2
+prefill and 2 decode replicas) are killed (`ray.kill`, as a crashed process) under concurrent
+streams. When an engine replica dies every stream ends normally with the tokens of an unfaulted
+run (greedy: the transformers oracle; seeded: the same request run again afterwards); when a
+router dies its own streams fail UNAVAILABLE and the other router's go on. The dead replica
+comes back, and every KV block and lease returns to zero."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field, replace
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from tests.e2e.grpc_calls import greedy_sampling, replace_seed, tokens
+from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
+
+FAULTS = "faults"
+STREAMS = 12
+SEEDED = 4  # of the STREAMS, this many sample (seeded), the rest are greedy
+MAX_TOKENS = 96
+VOCAB = 4096  # the `tiny` preset's
+
+
+@pytest.fixture(scope="module")
+def faults(apps, tokenizer_model_dir):
+    from ray import serve
+
+    base = small_app_config(str(tokenizer_model_dir))
+    pools = {k: replace(getattr(base, k), replicas=2) for k in ("router", "prefill", "decode")}
+    deploy(replace(base, **pools), FAULTS, "/faults")
+    yield apps
+    serve.delete(FAULTS)
+
+
+@dataclass
+class _Stream:
+    request: pb.GenerateRequest
+    msgs: list[pb.GenerateResponse] = field(default_factory=list)
+    error: grpc.RpcError | None = None
+
+    def read(self, s) -> None:
+        try:
+            for msg in s.Generate(self.request, metadata=app_metadata(FAULTS)):
+                self.msgs.append(msg)
+        except grpc.RpcError as e:
+            self.error = e
+
+
+def _requests() -> list[pb.GenerateRequest]:
+    out = []
+    for i in range(STREAMS):
+        rng = random.Random(i)
+        sampling = greedy_sampling(MAX_TOKENS)
+        if i < SEEDED:
+            sampling = replace_seed(sampling, 1000 + i)
+            sampling.temperature, sampling.top_p = 1.0, 0.9
+        ids = [rng.randrange(VOCAB) for _ in range(24)]
+        out.append(pb.GenerateRequest(prompt_token_ids=ids, sampling=sampling))
+    return out
+
+
+def _replica_names(deployment: str) -> list[str]:
+    import ray
+
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if f"{FAULTS}#{deployment}#" in a["name"]
+    )
+
+
+def _kill(name: str) -> None:
+    import ray
+
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def _wait_for_replicas(deployment: str, n: int, gone: str, timeout: float = 120.0) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout
+    while True:
+        status = serve.status().applications[FAULTS].deployments[deployment]
+        running = status.replica_states.get("RUNNING", 0)
+        names = _replica_names(deployment)
+        if running == n and len(names) == n and gone not in names:
+            return
+        assert time.monotonic() < deadline, f"{deployment} not back to {n}: {status}"
+        time.sleep(0.5)
+
+
+def _run_killing(ends, deployment: str | None, when=None) -> list[_Stream]:
+    """Run the streams; once `when(streams)` holds, kill one replica of `deployment` (None: no
+    kill). Returns the streams once all have ended and the killed replica is back."""
+    streams = [_Stream(r) for r in _requests()]
+    threads = [threading.Thread(target=st.read, args=(stub(ends),)) for st in streams]
+    for t in threads:
+        t.start()
+    if deployment is not None:
+        deadline = time.monotonic() + 60
+        while not when(streams):
+            assert time.monotonic() < deadline, "the streams did not get going"
+            time.sleep(0.005)
+        victim = _replica_names(deployment)[0]
+        _kill(victim)
+    for t in threads:
+        t.join(timeout=120)
+    if deployment is not None:
+        _wait_for_replicas(deployment, 2, victim)
+    return streams
+
+
+def _each_has(n: int):
+    """Every stream still going has `n` messages (all are decoding)."""
+    return lambda streams: all(len(st.msgs) >= n for st in streams if st.error is None)
+
+
+def _first_token_out(streams: list[_Stream]) -> bool:
+    """Some stream has its first token: its prefill is done and its KV is on the move, while
+    the others are still prefilling or moving theirs."""
+    return any(st.msgs for st in streams)
+
+
+def _exported_migrations(metrics_port: int, want: int) -> int:
+    """The faults app's `pdserve_request_migrations_total` in the Prometheus export, polled
+    until it equals `want` or 30 s pass (Ray exports every few seconds)."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        got = 0
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read()
+        for family in text_string_to_metric_families(text.decode()):
+            for sample in family.samples:
+                if (
+                    sample.name == "ray_pdserve_request_migrations_total"
+                    and sample.labels.get("application") == FAULTS
+                ):
+                    assert sample.labels["from_pool"] == "decode", sample
+                    got += int(sample.value)
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(1.0)
+
+
+def _check(streams, reference, path, hf, indices: list[int] | None = None) -> int:
+    """Every stream ended normally with the unfaulted tokens; returns the migrations.
+    `indices`: which of the requests the streams are (all, in order, by default)."""
+    failed = [(st.error.code(), st.error.details()) for st in streams if st.error is not None]
+    assert not failed, failed
+    migrations = 0
+    indices = list(range(len(streams))) if indices is None else indices
+    for i, st, ref in zip(indices, streams, reference, strict=True):
+        got = tokens(st.msgs)
+        last = st.msgs[-1]
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(got) == MAX_TOKENS
+        assert last.usage.completion_tokens == MAX_TOKENS
+        if i < SEEDED:
+            assert got == tokens(ref.msgs), i
+        else:
+            hf.assert_greedy(path, list(st.request.prompt_token_ids), got, MAX_TOKENS)
+        migrations += last.timing.migrations
+    return migrations
+
+
+def test_a_decode_replica_killed_mid_stream_costs_latency_never_a_request(
+    faults, tokenizer_model_dir, hf
+):
+    streams = _run_killing(faults, "Decode", _each_has(3))
+    reference = _run_killing(faults, None)  # the same requests, nothing killed
+    migrations = _check(streams, reference, tokenizer_model_dir, hf)
+    assert migrations >= 1  # the killed replica was streaming some of them
+    assert _exported_migrations(faults.metrics_port, migrations) == migrations
+    assert sum(tokens(r.msgs) != [] for r in reference) == STREAMS
+    wait_for_idle(faults, FAULTS, {"prefill", "decode"}, timeout=60.0)
+
+
+def test_a_prefill_replica_killed_around_the_hand_off_costs_no_request(
+    faults, tokenizer_model_dir, hf
+):
+    """Killed as the first prompt's KV starts to move: the others are still prefilling, or
+    their KV is on its way from the dead replica; all of them are prefilled again elsewhere."""
+    streams = _run_killing(faults, "Prefill", _first_token_out)
+    reference = _run_killing(faults, None)
+    _check(streams, reference, tokenizer_model_dir, hf)
+    wait_for_idle(faults, FAULTS, {"prefill", "decode"}, timeout=60.0)
+
+
+def test_a_router_killed_mid_stream_fails_only_its_own_streams(faults, tokenizer_model_dir, hf):
+    """The streams that router was carrying fail UNAVAILABLE at once; the other router's end
+    normally and exactly. The engines free what the dead router's requests held (their token
+    streams break; leases it held expire)."""
+    streams = _run_killing(faults, "Router", _each_has(3))
+    reference = _run_killing(faults, None)
+    lost = [st for st in streams if st.error is not None]
+    assert 0 < len(lost) < STREAMS, [(st.error.code(), st.error.details()) for st in lost]
+    assert {st.error.code() for st in lost} == {grpc.StatusCode.UNAVAILABLE}, [
+        st.error.details() for st in lost
+    ]
+    kept = [i for i, st in enumerate(streams) if st.error is None]
+    _check([streams[i] for i in kept], [reference[i] for i in kept], tokenizer_model_dir, hf, kept)
+    wait_for_idle(faults, FAULTS, {"prefill", "decode"}, timeout=60.0)

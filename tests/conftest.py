@@ -3,8 +3,15 @@ the transformers greedy oracle the engine is proven against."""
 
 from __future__ import annotations
 
-import json
-import shutil
+import os
+
+# Without a GPU, Triton kernels run under Triton's interpreter, on CPU tensors. Triton reads this
+# when it is first imported (transformers may import it below), so it is set before anything.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+import shutil  # noqa: E402
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -77,32 +84,6 @@ ARCHS: dict[str, tuple[type, type[PreTrainedModel], dict]] = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
 }
-
-
-# A Mooncake-format trace in which prompts share prefixes: (ms, input tokens, output tokens,
-# hash ids). At a length scale of 1/32 each trace block is one 16-token KV block; requests 2
-# and 4 start with request 1's first two blocks, request 5 with request 3's first; every prompt
-# ends in a block of its own, so its last token is always computed. 80 of its 237 prompt
-# tokens can come from a prefix cache.
-SHARED_PREFIX_TRACE = [
-    (0, 3 * 512, 6, [0, 1, 2]),
-    (300, 3 * 512, 4, [0, 1, 3]),
-    (600, 2 * 512, 9, [4, 5]),
-    (900, 4 * 512 - 100, 3, [0, 1, 6, 7]),
-    (1200, 2 * 512, 5, [4, 8]),
-    (1500, 512, 1, [9]),
-]
-
-
-def write_trace(path: Path, rows: list[tuple[float, int, int, list[int]]]) -> Path:
-    path.write_text(
-        "".join(
-            json.dumps({"timestamp": t, "input_length": n, "output_length": m, "hash_ids": h})
-            + "\n"
-            for t, n, m, h in rows
-        )
-    )
-    return path
 
 
 def build_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:

@@ -12,6 +12,7 @@ from cluster.engine.scheduler import ScheduledSeq
 from cluster.model.attention import AttentionMetadata, build_decode_group, build_prefill_group
 from cluster.model.decode_attention import select_decode_attention
 from cluster.model.decoder import CausalLM
+from cluster.model.triton_attention import build_varlen_batch, select_varlen_attention
 from cluster.request import TokenLogprobs
 
 
@@ -32,6 +33,10 @@ class ModelRunner:
         self.block_size = kv_cache.layout.block_size
         self.sliding_window = model.spec.sliding_window
         self.decode_attention = select_decode_attention(device, self.sliding_window)
+        # On a GPU, one kernel for the whole batch (None on the CPU).
+        self.varlen_attention = select_varlen_attention(
+            device, self.sliding_window, self.block_size
+        )
         self.sampler = Sampler()
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
@@ -46,6 +51,22 @@ class ModelRunner:
             positions.extend(span)
             table, bs = s.seq.block_table, self.block_size
             slots.extend(table[p // bs] * bs + p % bs for p in span)
+        samplers = [s for s in scheduled if s.samples]
+        rows = [starts[i] + s.num_tokens - 1 for i, s in enumerate(scheduled) if s.samples]
+        if self.varlen_attention is not None:
+            varlen = build_varlen_batch(
+                starts,
+                [s.num_tokens for s in scheduled],
+                [s.start for s in scheduled],
+                [s.seq.block_table for s in scheduled],
+                self.device,
+            )
+            meta = AttentionMetadata(
+                self._tensor(slots), None, None, None, varlen, self.varlen_attention
+            )
+            return ForwardBatch(
+                self._tensor(ids), self._tensor(positions), meta, self._tensor(rows), samplers
+            )
         # One query per sequence (decode, or a one-token prefill chunk) attends through the
         # decode path; in a batch with no prefill group its rows are 0..T-1 in order.
         dec = [i for i, s in enumerate(scheduled) if s.num_tokens == 1]
@@ -68,24 +89,21 @@ class ModelRunner:
                 self.sliding_window,
                 self.device,
             )
-        samplers = [s for s in scheduled if s.samples]
-        rows = [starts[i] + s.num_tokens - 1 for i, s in enumerate(scheduled) if s.samples]
-
-        def tensor(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.long, device=self.device)
-
         return ForwardBatch(
-            input_ids=tensor(ids),
-            positions=tensor(positions),
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
             attention=AttentionMetadata(
-                slot_mapping=tensor(slots),
+                slot_mapping=self._tensor(slots),
                 decode=decode,
                 prefill=prefill,
                 decode_attention=self.decode_attention,
             ),
-            sample_rows=tensor(rows),
+            sample_rows=self._tensor(rows),
             samplers=samplers,
         )
+
+    def _tensor(self, xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprobs | None]]:

@@ -5,6 +5,7 @@ says, per sequence group, where each sequence's queries sit in that stream and w
 hold its keys and values. Decoding sequences (one query each) and prefill chunks (many queries)
 form separate groups so that neither pays for the other's padding; the decode group is attended
 by a `DecodeAttention` implementation chosen once per model runner, the prefill group by SDPA.
+On a GPU one Triton kernel attends the whole batch in place instead (`triton_attention.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.model.decode_attention import DecodeAttention, DecodeGroup
+from cluster.model.triton_attention import TritonAttention, VarlenBatch
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,15 @@ class PrefillGroup:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
+    """Either `varlen` (the whole batch, for one kernel that reads the pool in place: Triton on
+    a GPU) or the `decode` / `prefill` groups (the CPU's C++ decode kernel and SDPA)."""
+
     slot_mapping: torch.Tensor  # [T] long: pool slot (block * block_size + offset) per new token
     decode: DecodeGroup | None
     prefill: PrefillGroup | None
-    decode_attention: DecodeAttention  # the implementation the runner chose for `decode`
+    decode_attention: DecodeAttention | None  # the implementation the runner chose for `decode`
+    varlen: VarlenBatch | None = None
+    varlen_attention: TritonAttention | None = None
 
 
 def _padded_tables(block_tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
@@ -99,6 +106,8 @@ def paged_attention(
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
     v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
+    if meta.varlen is not None:
+        return meta.varlen_attention(q, k_cache, v_cache, meta.varlen, scale)
     d, p = meta.decode, meta.prefill
     if p is None:  # a pure decode batch: rows are 0..T-1 in order
         return meta.decode_attention(q, k_cache, v_cache, d, scale)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from benchmarks import trace_bench
 from tests.benchmarks.bench_report import cells
-from tests.conftest import SHARED_PREFIX_TRACE, write_trace
+from tests.traces import SHARED_PREFIX_TRACE, write_trace
 
 
 def test_small_replay_serves_everything_alike_and_leaks_nothing(

@@ -12,9 +12,9 @@ from cluster.cli.main import main
 from cluster.client.bench_summary import BenchSummary
 from cluster.client.load_generator import run_workload
 from cluster.client.workload import Workload, WorkloadRequest, synthetic_workload
-from tests.conftest import SHARED_PREFIX_TRACE, write_trace
 from tests.e2e.conftest import CO, PD
 from tests.ray_fixtures import wait_for_idle
+from tests.traces import SHARED_PREFIX_TRACE, write_trace
 
 
 def run_cli(capsys, *args: str) -> dict:

@@ -13,7 +13,7 @@ from cluster.client.workload import (
     synthetic_workload,
     trace_workload,
 )
-from tests.conftest import write_trace
+from tests.traces import write_trace
 
 VOCAB = 1000
 

@@ -15,7 +15,7 @@ import pytest
 from cluster.errors import InvalidArgument
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
-from tests.conftest import disaggregated, drive, greedy, prompt, run_to_completion
+from tests.conftest import drive, greedy, prompt, run_to_completion
 
 NEW = 16
 SAMPLED = SamplingParams(max_tokens=NEW, temperature=1.0, top_p=0.9, seed=1234)

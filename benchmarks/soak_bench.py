@@ -1,0 +1,394 @@
+"""A soak with kills: the Mooncake trace replayed on a 2 prefill x 2 decode app while a chaos
+thread kills an engine replica every few seconds, as a crashed process.
+
+    python -m benchmarks.soak_bench [--minutes 10] [--kill-every 60] [--time-scale 1.25]
+        [--length-scale 0.03125] [--output-scale 1] [--verify 48] [--out FILE]
+
+The trace (`cluster.client.workload`, scaled; looped with new prompts each pass for as long as
+the run lasts) is sent open loop, greedy, EOS ignored. Every `--kill-every` seconds, once both
+engine pools are whole, one of their replicas is killed at random (`ray.kill`); Serve starts
+another. Prints requests served, failed (by gRPC code) and migrated (`timing.migrations`), TTFT
+and ITL of the requests in flight during a kill against those during none, and every engine
+replica's KV blocks used and leased once the load has stopped (leaked blocks). Then the
+migrated requests (and others in flight during a kill, `--verify` in all) are sent again with
+nothing killed: a greedy stream that resumed elsewhere must give the same tokens."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import math
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import grpc
+
+from benchmarks.grpc_calls import stub, wait_ready
+from benchmarks.options import served_parser
+from benchmarks.report import header, log, publish
+from benchmarks.serve_session import deployed, kv_transport, measure_served, small_pool
+from benchmarks.trace_bench import SHARED_TRACE
+from cluster.client import workload as wl
+from cluster.client.bench_summary import BenchSummary, Distribution
+from cluster.client.generation_client import app_metadata
+from cluster.client.load_generator import PhaseTiming, RequestRecord, model_info
+from cluster.config import ModelConfig
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.serving.app_config import AppConfig
+
+APP = "soak"
+ENGINES = {"Prefill": 2, "Decode": 2}  # deployment -> replicas
+GROUPS = ("no kill in flight", "in flight during a kill", "migrated")
+
+
+@dataclass(frozen=True)
+class Kill:
+    at_s: float  # from the start of the replay
+    deployment: str
+    replica: str  # Serve's replica id (the actor name's last part)
+    back_s: float = math.nan  # until the pool was whole again
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it, with the migrations its final message reported and
+    when its stream ended (last token or error), seconds from the start of the replay."""
+
+    record: RequestRecord
+    migrations: int = 0
+    ended_s: float = math.nan
+
+    def during(self, kill: Kill) -> bool:
+        return self.record.sent_s <= kill.at_s <= self.ended_s
+
+
+def looped_workload(
+    entries: list[wl.TraceEntry], scale: wl.TraceScale, info, seconds: float, seed: int
+) -> wl.Workload:
+    """The scaled trace repeated until `seconds`, each pass with prompts of its own (seed +
+    pass) one mean gap after the previous pass's last arrival."""
+    out: list[wl.WorkloadRequest] = []
+    offset = 0.0
+    for k in itertools.count():
+        work = wl.trace_workload(entries, scale, info.vocab_size, info.max_context_length, seed + k)
+        out += [replace(r, arrival_s=r.arrival_s + offset) for r in work.requests]
+        if out[-1].arrival_s >= seconds:
+            break
+        span = work.requests[-1].arrival_s
+        offset += span + span / max(1, len(work.requests) - 1)
+    kept = tuple(r for r in out if r.arrival_s < seconds)
+    return wl.Workload(kept, f"{work.description}, looped for {seconds:g} s: {len(kept)} requests")
+
+
+@dataclass(frozen=True)
+class SoakSummary:
+    outcomes: list[Outcome]
+    kills: list[Kill]
+    failures: dict[str, int]  # status code -> requests
+    migrations: int
+    migrated: int  # requests with at least one migration
+    wrong_length: int  # served with another number of tokens than asked
+    groups: dict[str, list[Outcome]]  # GROUPS -> the served requests in it
+    in_flight: list[int]  # per kill: requests in flight
+
+    @staticmethod
+    def of(outcomes: list[Outcome], kills: list[Kill]) -> SoakSummary:
+        served = [o for o in outcomes if o.record.ok]
+        return SoakSummary(
+            outcomes,
+            kills,
+            dict(Counter(o.record.status for o in outcomes if not o.record.ok)),
+            sum(o.migrations for o in served),
+            sum(o.migrations > 0 for o in served),
+            sum(o.record.output_tokens != o.record.max_tokens for o in served),
+            {
+                GROUPS[0]: [o for o in served if not any(o.during(k) for k in kills)],
+                GROUPS[1]: [o for o in served if any(o.during(k) for k in kills)],
+                GROUPS[2]: [o for o in served if o.migrations],
+            },
+            [sum(o.during(k) for o in outcomes) for k in kills],
+        )
+
+    def gaps(self, group: str) -> list[float]:
+        """Every inter-token latency of the group's requests."""
+        return [g for o in self.groups[group] for g in o.record.itl_s]
+
+
+def chaos(t0: float, every_s: float, until_s: float, seed: int, stop, kills: list[Kill]):
+    """Kill an engine replica of app `APP`, drawn at random once both pools are whole, every
+    `every_s` seconds after `t0` (perf_counter) until `until_s` or `stop`; append to `kills`."""
+    import ray
+
+    rng, tick = random.Random(seed), every_s
+    while tick < until_s and not stop.wait(max(0.0, t0 + tick - time.perf_counter())):
+        wait_whole(timeout_s=every_s, stop=stop)
+        if stop.is_set() or time.perf_counter() - t0 >= until_s:
+            return
+        deployment = rng.choice(sorted(ENGINES))
+        name = rng.choice(replica_names(deployment))
+        kill = Kill(time.perf_counter() - t0, deployment, name.rsplit("#", 1)[-1])
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        log(f"[{kill.at_s:6.1f} s] killed {deployment} replica {kill.replica}")
+        back = wait_whole(timeout_s=300.0, stop=stop, gone=name)
+        kills.append(replace(kill, back_s=back - t0 - kill.at_s) if back else kill)
+        tick = max(tick + every_s, time.perf_counter() - t0)
+
+
+def replica_names(deployment: str) -> list[str]:
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return sorted(n for n in names if f"{APP}#{deployment}#" in n)
+
+
+def wait_whole(timeout_s: float, stop: threading.Event | None = None, gone: str = "") -> float:
+    """Wait until every engine pool runs its replicas (and `gone` is no longer one of them);
+    the `time.perf_counter()` it was so, or 0.0 at timeout or stop."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (stop and stop.is_set()):
+        deployments = serve.status().applications[APP].deployments
+        if all(
+            deployments[d].replica_states.get("RUNNING", 0) == n
+            and len(names := replica_names(d)) == n
+            and gone not in names
+            for d, n in ENGINES.items()
+        ):
+            return time.perf_counter()
+        time.sleep(0.5)
+    return 0.0
+
+
+async def send(
+    target: str, requests: list[wl.WorkloadRequest], t0: float, timeout_s: float, limit: int = 0
+) -> list[Outcome]:
+    """Every request sent at its arrival (seconds after `t0`), open loop (at most `limit` at
+    once when given); their outcomes in order."""
+    gate = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
+    async with grpc.aio.insecure_channel(target) as channel:
+        grpc_stub = pb_grpc.GenerationStub(channel)
+
+        async def one(i: int, req: wl.WorkloadRequest) -> Outcome:
+            rec = RequestRecord(i, req.arrival_s, len(req.prompt_token_ids), req.max_tokens)
+            out = Outcome(rec)
+            await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
+            async with gate:
+                await stream(grpc_stub, req, out, t0, timeout_s)
+            return out
+
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+
+
+async def stream(grpc_stub, req: wl.WorkloadRequest, out: Outcome, t0: float, timeout_s: float):
+    """One greedy `Generate` stream into `out` (as `cluster.client.load_generator` records it,
+    plus the migrations and the time the stream ended)."""
+    rec = out.record
+    sampling = pb.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+    request = pb.GenerateRequest(prompt_token_ids=req.prompt_token_ids, sampling=sampling)
+    rec.sent_s = time.perf_counter() - t0
+    last = None
+    try:
+        calls = grpc_stub.Generate(request, metadata=app_metadata(APP), timeout=timeout_s)
+        async for msg in calls:
+            rec.token_ids.extend(msg.token_ids)
+            rec.token_times.extend(time.perf_counter() - t0 for _ in msg.token_ids)
+            last = msg
+    except grpc.aio.AioRpcError as e:
+        rec.status, rec.error = e.code().name, e.details() or ""
+    out.ended_s = time.perf_counter() - t0
+    if rec.ok and (last is None or not rec.token_times):
+        rec.status, rec.error = "UNKNOWN", "the stream ended without a token"
+    elif rec.ok:
+        rec.timing, out.migrations = PhaseTiming.of(last.timing), last.timing.migrations
+
+
+def settled_replicas(proxy, timeout_s: float) -> tuple[list[pb.ReplicaStats], float]:
+    """GetStats once every engine replica alive has reported (the dead ones aged out) and
+    none holds KV blocks or runs a sequence, or at timeout: the replicas and the seconds it
+    took. Replicas push stats every second, so the first look waits that long."""
+    live = {n.rsplit("#", 1)[-1] for d in ENGINES for n in replica_names(d)}
+    began = time.monotonic()
+    deadline = began + timeout_s
+    time.sleep(1.3)
+    while True:
+        stats = proxy.GetStats(pb.GetStatsRequest(), metadata=app_metadata(APP))
+        engines = [r for r in stats.replicas if r.pool in ("prefill", "decode")]
+        idle = not any(r.kv_blocks_used or r.kv_blocks_leased or r.running for r in engines)
+        if idle and {r.replica_id for r in engines} == live or time.monotonic() > deadline:
+            return engines, time.monotonic() - began
+        time.sleep(0.5)
+
+
+def verify(target: str, work: wl.Workload, summary: SoakSummary, limit: int) -> tuple[int, int]:
+    """The migrated requests, then others in flight during a kill, up to `limit`, sent again
+    (8 at a time, nothing killed): (how many, how many gave other tokens)."""
+    hit = summary.groups[GROUPS[1]]
+    picked = (summary.groups[GROUPS[2]] + [o for o in hit if not o.migrations])[:limit]
+    again = [replace(work.requests[o.record.index], arrival_s=0.0) for o in picked]
+    redone = asyncio.run(send(target, again, time.perf_counter(), 120.0, limit=8))
+    pairs = zip(picked, redone, strict=True)
+    return len(picked), sum(a.record.token_ids != b.record.token_ids for a, b in pairs)
+
+
+@dataclass
+class SoakRun:
+    work: wl.Workload
+    summary: SoakSummary
+    replicas: list[pb.ReplicaStats]
+    settle_s: float
+    checked: tuple[int, int]
+    kv_transport: str
+    load_s: float
+
+
+def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> SoakRun:
+    import ray
+
+    if not ray.is_initialized():  # --grpc-port: someone else's Ray, on this node
+        ray.init(address="auto", logging_level="warning")
+    target, proxy, pool = f"127.0.0.1:{grpc_port}", stub(grpc_port), small_pool(a.num_blocks, 32)
+    prefill, decode = (replace(pool, replicas=ENGINES[d]) for d in ("Prefill", "Decode"))
+    config = AppConfig(
+        ModelConfig(model_dir), router=pool, prefill=prefill, decode=decode, name=APP
+    )
+    with deployed([config]):
+        wait_ready(proxy, APP, list(range(16, 48)))
+        info = asyncio.run(model_info(target, APP))
+        scale = wl.TraceScale(a.length_scale, a.time_scale, a.output_scale)
+        work = looped_workload(wl.load_trace(a.trace), scale, info, a.minutes * 60, a.seed)
+        log(f"soak: {work.description}, a kill every {a.kill_every:g} s")
+        t0 = time.perf_counter() + 1.0
+        stop, kills = threading.Event(), []
+        args = (t0, a.kill_every, a.minutes * 60, a.seed, stop, kills)
+        killer = threading.Thread(target=chaos, args=args, name="chaos", daemon=True)
+        killer.start()
+        outcomes = asyncio.run(send(target, list(work.requests), t0, a.timeout))
+        load_s = time.perf_counter() - t0
+        stop.set()
+        killer.join()
+        log("load stopped; waiting for the pools and their KV blocks to settle")
+        wait_whole(timeout_s=300.0)
+        replicas, settle_s = settled_replicas(proxy, a.settle_timeout)
+        summary = SoakSummary.of(outcomes, kills)
+        checked = verify(target, work, summary, a.verify)
+    return SoakRun(work, summary, replicas, settle_s, checked, kv_transport(config), load_s)
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(map(str, r)) + " |" for r in [head, *rows]]
+    return [lines[0], "|" + "---|" * len(head), *lines[1:]]
+
+
+def latency_rows(s: SoakSummary) -> list[str]:
+    ttft = {g: Distribution.of([o.record.ttft_s for o in s.groups[g]]) for g in GROUPS}
+    gaps = {g: s.gaps(g) for g in GROUPS}
+    itl = {g: Distribution.of(gaps[g]) for g in GROUPS}
+
+    def pct(d: Distribution) -> str:
+        return " / ".join(f"{d.pct[p] * 1e3:,.0f}" if d.n else "-" for p in (50, 99))
+
+    rows = table(["", *GROUPS], [
+        ["requests", *(len(s.groups[g]) for g in GROUPS)],
+        ["TTFT p50 / p99 (ms)", *(pct(ttft[g]) for g in GROUPS)],
+        ["ITL p50 / p99 (ms)", *(pct(itl[g]) for g in GROUPS)],
+        ["longest gap (ms)", *(f"{max(gaps[g]) * 1e3:,.0f}" if gaps[g] else "-" for g in GROUPS)],
+    ])  # fmt: skip
+    calm, hit = GROUPS[:2]
+    if ttft[calm].n and ttft[hit].n:
+        cost = [f"{name} p{p} {(d[hit].pct[p] - d[calm].pct[p]) * 1e3:+,.0f} ms"
+                for name, d in (("TTFT", ttft), ("ITL", itl)) for p in (50, 99)]  # fmt: skip
+        rows += ["", "Latency cost of a kill (in flight during one against none): "
+                 + ", ".join(cost) + "."]  # fmt: skip
+    return rows
+
+
+def render(a: argparse.Namespace, argv: list[str], run: SoakRun, wall_s: float) -> str:
+    s, leaked = run.summary, sum(r.kv_blocks_used + r.kv_blocks_leased for r in run.replicas)
+    failed = ", ".join(f"{k} {v}" for k, v in sorted(s.failures.items())) or "none"
+    n, differ = run.checked
+    title = "pdserve soak: the trace replayed while engine replicas are killed"
+    lines = [
+        *header(title, "soak_bench", argv),
+        f"- wall time {wall_s:.0f} s; load for {run.load_s:.0f} s; {run.work.description}",
+        f"- app: 1 router, 2 prefill x 2 decode replicas of one torch thread, {a.num_blocks} KV "
+        f"blocks of 16 tokens each, KV transport {run.kv_transport}; {a.preset} model",
+        "",
+        f"**Requests: {len(s.outcomes)} sent, {len(s.outcomes) - sum(s.failures.values())} "
+        f"served, failed: {failed}.** Migrations: {s.migrations} over {s.migrated} requests. "
+        f"Served with another number of tokens than asked: {s.wrong_length}.",
+        f"**KV blocks used or leased after the load, over every engine replica: {leaked}** "
+        f"(settled in {run.settle_s:.1f} s).",
+        f"Same tokens when sent again with nothing killed: {n - differ} of {n} "
+        "(the migrated requests first, then others in flight during a kill).",
+        "",
+        *latency_rows(s),
+        "",
+        f"## {len(s.kills)} kills",
+        "",
+        *table(
+            ["at (s)", "replica killed", "requests in flight", "pool whole again after (s)"],
+            [
+                [f"{k.at_s:.1f}", f"{k.deployment} {k.replica}", m, f"{k.back_s:.1f}"]
+                for k, m in zip(s.kills, s.in_flight, strict=True)
+            ],
+        ),
+        "",
+        "## Engine replicas after the load",
+        "",
+        *table(
+            ["pool", "replica", "KV blocks used", "leased", "running", "waiting"],
+            [
+                [r.pool, r.replica_id, r.kv_blocks_used, r.kv_blocks_leased, r.running, r.waiting]
+                for r in run.replicas
+            ],
+        ),
+        *failures(s),
+        "",
+        "## All requests",
+        "",
+        *BenchSummary.of([o.record for o in s.outcomes]).render(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def failures(s: SoakSummary, limit: int = 20) -> list[str]:
+    """The failed requests (up to `limit`): code, details, tokens received, kills in flight."""
+    bad = [o for o in s.outcomes if not o.record.ok]
+    return ["", f"## Failed requests ({len(bad)})", ""] * bool(bad) + [
+        f"- request {o.record.index}, {o.record.sent_s:.1f}-{o.ended_s:.1f} s: {o.record.status} "
+        f"{o.record.error!r} after {o.record.output_tokens} of {o.record.max_tokens} tokens; "
+        f"kills: {', '.join(f'{k.deployment} at {k.at_s:.1f} s' for k in s.kills if o.during(k))}"
+        for o in bad[:limit]
+    ]
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = served_parser(__doc__, "soak")
+    p.set_defaults(preset="tiny")
+    p.add_argument("--minutes", type=float, default=10.0, help="how long the trace is sent")
+    p.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
+    p.add_argument("--trace", default=str(SHARED_TRACE), help="Mooncake-format JSONL trace")
+    p.add_argument("--length-scale", type=float, default=wl.TraceScale.length)
+    p.add_argument("--time-scale", type=float, default=1.25)
+    p.add_argument("--output-scale", type=float, default=wl.TraceScale.output)
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--settle-timeout", type=float, default=60.0, help="seconds for KV to free")
+    p.add_argument("--verify", type=int, default=48, help="requests sent again (0: none)")
+    a = p.parse_args(argv)
+    run, wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
+    return publish(render(a, argv, run, wall_s), a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,8 @@
 
 Per-architecture differences are explicit switches in `ArchSpec`, read from the HF config:
 QKV bias (Qwen2), q/k RMSNorm (Qwen3), tied embeddings, sliding-window attention (Mistral),
-and the RoPE variant. Module attribute names follow HF so checkpoints load with no renaming.
+and the RoPE variant. Module attribute names follow HF so checkpoints load with no renaming;
+once loaded, `fuse_projections` joins q/k/v and gate/up into one GEMM each.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
         self.scale = d**-0.5
+        self.qkv_proj: Linear | None = None  # q, k and v in one GEMM, once `fuse` ran
+
+    def fuse(self) -> None:
+        """Replace q_proj, k_proj and v_proj (as loaded) by one `qkv_proj` over their
+        concatenated weights: one GEMM (one kernel launch) instead of three."""
+        self.qkv_proj = _fused(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -51,9 +59,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            widths = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+            q, k, v = self.qkv_proj(x).split(widths, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = angles.apply(q, k)
@@ -68,9 +81,36 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, i, bias=spec.mlp_bias)
         self.up_proj = Linear(h, i, bias=spec.mlp_bias)
         self.down_proj = Linear(i, h, bias=spec.mlp_bias)
+        self.gate_up_proj: Linear | None = None  # gate and up in one GEMM, once `fuse` ran
+
+    def fuse(self) -> None:
+        """Replace gate_proj and up_proj (as loaded) by one `gate_up_proj`."""
+        self.gate_up_proj = _fused(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fused(*parts: Linear) -> Linear:
+    """One Linear whose output is the outputs of `parts`, side by side."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    fused = Linear(
+        parts[0].in_features,
+        weight.shape[0],
+        bias=parts[0].bias is not None,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -123,3 +163,10 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def fuse_projections(self) -> None:
+        """Fuse every layer's q/k/v and gate/up projections (after the checkpoint is loaded:
+        the fused modules have no HF names)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()

@@ -36,6 +36,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, weight_files(Path(config.path)), spec, device)
     model = model.to(config.torch_dtype).eval()
+    model.fuse_projections()
     if config.packed_weights:
         pack_linears(model)
     return LoadedModel(model=model, info=info)

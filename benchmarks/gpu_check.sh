@@ -86,6 +86,10 @@ stage engine 150 sh -c "$PY -m benchmarks.engine_bench --device cuda --dtype bfl
     --repeats 2 --out $OUT/engine-gpu-bf16.md && $PY -m benchmarks.engine_bench \
     --device cuda --dtype float32 --batches 1,32 --repeats 2 --out $OUT/engine-gpu-fp32.md"
 
+# The 1b preset (Llama-3.2-1B-shaped; weights drawn on the GPU) against its weight-read floor.
+stage engine-1b 150 "$PY" -m benchmarks.engine_bench --preset 1b --device cuda \
+    --dtype bfloat16 --batches 1,32 --repeats 2 --out "$OUT/engine-gpu-1b.md"
+
 stage kv 120 "$PY" -m benchmarks.kv_transports_bench --device cuda --repeats 5 \
     --out "$OUT/kv-transports-gpu.md"
 

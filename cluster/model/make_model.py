@@ -2,8 +2,10 @@
 
 `make_model(preset, out_dir, seed)` writes config.json, generation_config.json,
 model.safetensors and tokenizer files; the same preset and seed give byte-identical files on the
-same software stack. Checkpoints appear atomically: they are written into a temporary directory
-beside `out_dir` and renamed into place, so a reader sees either nothing or a whole checkpoint.
+same software stack. `device="cuda"` draws the weights on the GPU instead (seconds for the `1b`
+preset, where the CPU's float64 draw takes minutes); those bytes depend on the GPU's generator.
+Checkpoints appear atomically: they are written into a temporary directory beside `out_dir` and
+renamed into place, so a reader sees either nothing or a whole checkpoint.
 """
 
 from __future__ import annotations
@@ -131,6 +133,19 @@ PRESETS: dict[str, ModelPreset] = {
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     ),
+    # ~1.24B parameters, shaped like Llama-3.2-1B (its default RoPE, a shorter context): for
+    # GPU benchmarks, where the weight-read floor of a decode step is large enough to measure.
+    "1b": ModelPreset(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
     # ~134.5M parameters, shaped like SmolLM-135M.
     "small": ModelPreset(
         hidden_size=576,
@@ -145,8 +160,9 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
-def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a checkpoint for `preset` into `out_dir` (which must be absent or empty).
+def make_model(preset: str, out_dir: str | Path, seed: int = 0, device: str = "cpu") -> Path:
+    """Write a checkpoint for `preset` into `out_dir` (which must be absent or empty), its
+    weights drawn on `device`.
 
     Raises InvalidArgument for an unknown preset and FileExistsError when `out_dir` already has
     contents, including when a concurrent call finished first.
@@ -160,7 +176,7 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _write_checkpoint(spec, tmp, seed)
+        _write_checkpoint(spec, tmp, seed, torch.device(device))
         for path in tmp.iterdir():
             path.chmod(0o644)  # save_file writes 0o600
         tmp.chmod(0o755)  # mkdtemp makes it 0o700
@@ -183,7 +199,8 @@ def cache_dir(preset: str) -> Path:
 
 
 def cached_model(preset: str = "tiny") -> Path:
-    """`preset`'s seed-0 checkpoint in the cache, built on first use; safe across processes."""
+    """`preset`'s seed-0 checkpoint in the cache, built on first use; safe across processes.
+    The `1b` preset's weights are drawn on the GPU when there is one (`make_model`)."""
     out = cache_dir(preset)
     if _is_checkpoint(out):
         return out
@@ -192,10 +209,15 @@ def cached_model(preset: str = "tiny") -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not _is_checkpoint(out):
             try:
-                make_model(preset, out, seed=0)
+                make_model(preset, out, seed=0, device=_draw_device(preset))
             except FileExistsError:  # built by a process that does not share our lock
                 pass
     return out
+
+
+def _draw_device(preset: str) -> str:
+    big = PRESETS.get(preset) is not None and PRESETS[preset].num_parameters() > 500_000_000
+    return "cuda" if big and torch.cuda.is_available() else "cpu"
 
 
 def default_model_dir() -> Path:
@@ -207,7 +229,7 @@ def _is_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
 
-def _write_checkpoint(spec: ModelPreset, out: Path, seed: int) -> None:
+def _write_checkpoint(spec: ModelPreset, out: Path, seed: int, device: torch.device) -> None:
     _write_json(out / "config.json", spec.hf_config())
     generation = {
         "bos_token_id": _BOS_ID,
@@ -215,25 +237,32 @@ def _write_checkpoint(spec: ModelPreset, out: Path, seed: int) -> None:
         "pad_token_id": _EOS_ID,
     }
     _write_json(out / "generation_config.json", generation)
-    save_file(_random_weights(spec, seed), str(out / "model.safetensors"), {"format": "pt"})
+    weights = _random_weights(spec, seed, device)
+    save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
     write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings)
 
 
-def _random_weights(spec: ModelPreset, seed: int) -> dict[str, torch.Tensor]:
+def _random_weights(
+    spec: ModelPreset, seed: int, device: torch.device, draw: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """normal(0, initializer_range) for matrices, ones for norms, drawn in weight_shapes order.
 
-    Sampled in float64 and rounded to float32: torch's float32 CPU sampler has a vectorised
-    path chosen by CPU features, the float64 one does not, so the bytes do not depend on it.
+    On the CPU sampled in float64 (`draw`'s default there) and rounded to float32: torch's
+    float32 CPU sampler has a vectorised path chosen by CPU features, the float64 one does not,
+    so the bytes do not depend on it. On another device sampled there in float32 (fast; the
+    bytes are the device's).
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if draw is None:
+        draw = torch.float64 if device.type == "cpu" else torch.float32
     weights = {}
     for name, shape in spec.weight_shapes().items():
         if len(shape) == 1:
             weights[name] = torch.ones(shape, dtype=torch.float32)
         else:
-            w = torch.empty(shape, dtype=torch.float64)
+            w = torch.empty(shape, dtype=draw, device=device)
             w.normal_(0.0, spec.initializer_range, generator=generator)
-            weights[name] = w.to(torch.float32)
+            weights[name] = w.to(torch.float32).cpu()
     return weights
 
 

@@ -9,7 +9,13 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cluster.errors import InvalidArgument
-from cluster.model.make_model import FORMAT_VERSION, PRESETS, default_model_dir, make_model
+from cluster.model.make_model import (
+    FORMAT_VERSION,
+    PRESETS,
+    _random_weights,
+    default_model_dir,
+    make_model,
+)
 from cluster.model.tokenizer_factory import SPECIAL_TOKENS, _top_up, build_tokenizer
 
 TEXT = "Hello, wörld! 你好"
@@ -77,9 +83,13 @@ def test_same_seed_same_bytes_other_seed_differs(tiny: Path, tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "other"]  # no temp dirs left
 
 
-def test_small_preset_matches_hf_llama_on_meta_device() -> None:
-    preset = PRESETS["small"]
-    assert 125_000_000 <= preset.num_parameters() <= 145_000_000
+@pytest.mark.parametrize(
+    ("name", "low", "high"),
+    [("small", 125_000_000, 145_000_000), ("1b", 1_200_000_000, 1_300_000_000)],
+)
+def test_presets_match_hf_llama_on_meta_device(name: str, low: int, high: int) -> None:
+    preset = PRESETS[name]
+    assert low <= preset.num_parameters() <= high
     config = transformers.LlamaConfig.from_dict(preset.hf_config())
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -127,3 +137,17 @@ def test_default_model_dir_uses_cache_env_and_is_race_safe(
     assert default_model_dir() == expected
     assert (expected / "model.safetensors").stat().st_mtime_ns == mtime
     assert sorted(p.name for p in expected.parent.iterdir() if p.is_dir()) == [expected.name]
+
+
+def test_the_device_draw_gives_the_same_tensors_in_float32() -> None:
+    """The GPU's float32 draw (run here on the CPU) gives the exact draw's names, shapes and
+    dtypes, and the same spread; the bytes differ (another sampler)."""
+    preset = PRESETS["tiny"]
+    exact = _random_weights(preset, 0, torch.device("cpu"))
+    fast = _random_weights(preset, 0, torch.device("cpu"), torch.float32)
+    assert {n: (w.shape, w.dtype) for n, w in fast.items()} == {
+        n: (w.shape, w.dtype) for n, w in exact.items()
+    }
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert abs(fast[name].std().item() - preset.initializer_range) < 1e-3
+    assert not torch.equal(fast[name], exact[name])

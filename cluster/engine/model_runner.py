@@ -61,12 +61,11 @@ class ModelRunner:
                 [s.seq.block_table for s in scheduled],
                 self.device,
             )
-            meta = AttentionMetadata(
-                self._tensor(slots), None, None, None, varlen, self.varlen_attention
+            ids_t, positions_t, slots_t, rows_t = _to_device(
+                self.device, ids, positions, slots, rows
             )
-            return ForwardBatch(
-                self._tensor(ids), self._tensor(positions), meta, self._tensor(rows), samplers
-            )
+            meta = AttentionMetadata(slots_t, None, None, None, varlen, self.varlen_attention)
+            return ForwardBatch(ids_t, positions_t, meta, rows_t, samplers)
         # One query per sequence (decode, or a one-token prefill chunk) attends through the
         # decode path; in a batch with no prefill group its rows are 0..T-1 in order.
         dec = [i for i, s in enumerate(scheduled) if s.num_tokens == 1]
@@ -125,3 +124,12 @@ class ModelRunner:
             [q.token_ids for q in seqs],
         )
         return tokens, self.sampler.logprobs(logits, tokens, [q.params.logprobs for q in seqs])
+
+
+def _to_device(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """`lists` as int64 tensors on `device` from one host buffer in one transfer, pinned and
+    asynchronous on a GPU (the step's metadata costs no device sync)."""
+    host = torch.tensor([x for xs in lists for x in xs], dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split([len(xs) for xs in lists]))

@@ -1,19 +1,72 @@
-"""Frozen, validated configuration, composed at the top; each component gets only its slice."""
+"""Frozen, validated configuration, composed at the top; each component gets only its slice.
+
+Each config is a frozen dataclass that checks itself when it is built. Its dict form (YAML,
+JSON, a Serve config file's `args`) is validated by pydantic in strict mode before anything is
+built (`parse_config`): unknown keys and wrong types are refused, each error naming its field
+path (`prefill.cache.num_blocks: expected an integer, got "1024"`). `config_schema` is the
+JSON schema of that form, `dump_config` writes it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import difflib
+import functools
+import json
+import typing
+from dataclasses import dataclass, field, is_dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
-import torch
+import pydantic
+from pydantic import ConfigDict, with_config
+from pydantic_core import core_schema
 
 from cluster.errors import InvalidArgument
 
+if typing.TYPE_CHECKING:
+    import torch
+
 TransportName = Literal["auto", "grpc", "nixl", "gloo", "nccl"]
 TRANSPORTS = ("auto", "grpc", "nixl", "gloo", "nccl")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The weights' and KV cache's dtypes, named as torch names them (torch is imported when one is
+# used, so that reading a config does not load torch).
+_DTYPES = ("bfloat16", "float16", "float32")
+# The dict form has JSON's types, exactly: an integer is never "1024" nor 2.5, a flag is true
+# or false (never "no"), a number may be written as an integer. No key is ignored.
+DICT_FORM = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+C = TypeVar("C")
 
 
+class ConfigError(InvalidArgument, ValueError):
+    """A value a config dataclass's own checks refuse. Also a ValueError, so that pydantic
+    reports it at the path of the part that refused it."""
+
+
+class NamedNumbers:
+    """Pydantic marker of a `tuple[tuple[str, float], ...]` field (sorted (name, number) pairs:
+    hashable, so the dataclass stays frozen). Its dict form is a mapping of names to numbers,
+    the names limited to `names` when given."""
+
+    def __init__(self, names: tuple[str, ...] = ()) -> None:
+        self.names = names
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        keys = core_schema.literal_schema(list(self.names)) if self.names else None
+        mapping = core_schema.dict_schema(
+            keys or core_schema.str_schema(), core_schema.float_schema()
+        )
+        return core_schema.no_info_after_validator_function(
+            lambda d: tuple(sorted(d.items())),
+            mapping,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                dict, return_schema=mapping
+            ),
+        )
+
+
+Resources = Annotated[tuple[tuple[str, float], ...], NamedNumbers()]
+
+
+@with_config(DICT_FORM)
 @dataclass(frozen=True)
 class ModelConfig:
     """Which checkpoint to load, and where it runs. `path` is a Hugging Face checkpoint dir."""
@@ -30,15 +83,18 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise InvalidArgument(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len < 0:
-            raise InvalidArgument("max_model_len must be >= 0")
+            raise ConfigError("max_model_len must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
 
+@with_config(DICT_FORM)
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV pool: `num_blocks` blocks of `block_size` tokens each, in every layer."""
@@ -51,11 +107,12 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise InvalidArgument(f"block_size must be a power of two, got {self.block_size}")
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks <= 0:
-            raise InvalidArgument(f"num_blocks must be positive, got {self.num_blocks}")
+            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
 
 
+@with_config(DICT_FORM)
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How much work one engine step may take on."""
@@ -66,9 +123,10 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting <= 0:
-            raise InvalidArgument("scheduler limits must be positive")
+            raise ConfigError("scheduler limits must be positive")
 
 
+@with_config(DICT_FORM)
 @dataclass(frozen=True)
 class TransferConfig:
     """How KV moves from a prefill worker to a decode worker.
@@ -99,15 +157,15 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
-            raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+            raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if min(self.lease_seconds, self.fetch_timeout_seconds, self.channel_idle_seconds) <= 0:
-            raise InvalidArgument(
+            raise ConfigError(
                 "lease_seconds, fetch_timeout_seconds and channel_idle_seconds must be positive"
             )
         if not 4096 <= self.max_chunk_bytes <= 64 << 20:
-            raise InvalidArgument("max_chunk_bytes must be in [4 KiB, 64 MiB]")
+            raise ConfigError("max_chunk_bytes must be in [4 KiB, 64 MiB]")
         if not 0 <= self.port < 65536:
-            raise InvalidArgument(f"port out of range: {self.port}")
+            raise ConfigError(f"port out of range: {self.port}")
 
 
 def resolve_host(host: str) -> str:
@@ -133,4 +191,120 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.default_max_tokens <= 0:
-            raise InvalidArgument("default_max_tokens must be positive")
+            raise ConfigError("default_max_tokens must be positive")
+
+
+# -- the dict form ---------------------------------------------------------------------------
+
+
+def parse_config(cls: type[C], data: Any) -> C:
+    """`cls` (a config dataclass) from its dict form, validated strictly; every problem is
+    reported, each with its field path, as one INVALID_ARGUMENT."""
+    _check_json_types(data, [])
+    try:
+        return _adapter(cls).validate_json(json.dumps(data))
+    except pydantic.ValidationError as e:
+        errors = e.errors()
+        first = _path([p for p in errors[0]["loc"] if p != "[key]"]) or None
+        problems = "; ".join(_describe(cls, err) for err in errors)
+        raise InvalidArgument(problems, param=first) from None
+
+
+def dump_config(config: Any) -> dict[str, Any]:
+    """The dict form of a config dataclass (plain JSON types); `parse_config` reads it back."""
+    return _adapter(type(config)).dump_python(config, mode="json")
+
+
+def config_schema(cls: type) -> dict[str, Any]:
+    """The JSON schema (draft 2020-12) of `cls`'s dict form."""
+    schema = _adapter(cls).json_schema()
+    _mapping_defaults(schema)
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+@functools.cache
+def _adapter(cls: type) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(cls)
+
+
+def _check_json_types(value: Any, loc: list[str | int]) -> None:
+    """The dict form holds only what JSON holds (YAML can also write dates, sets, ...)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidArgument(f"{_path([*loc, str(k)])}: keys must be strings")
+            _check_json_types(v, [*loc, k])
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_json_types(v, [*loc, i])
+    elif value is not None and not isinstance(value, str | int | float):
+        where = _path(loc) or "config"
+        raise InvalidArgument(f"{where}: {type(value).__name__} is not a config value")
+
+
+_EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "dict_type": "a mapping",
+    "dataclass_type": "a mapping",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "finite_number": "a finite number",
+}
+
+
+def _describe(cls: type, error: Any) -> str:
+    """One validation error as `field.path: what is wrong`."""
+    loc, kind, ctx = list(error["loc"]), error["type"], error.get("ctx") or {}
+    if loc and loc[-1] == "[key]":  # a name outside a NamedNumbers' names
+        return f"{_path(loc[:-1])}: unknown key, expected {ctx['expected']}"
+    where = _path(loc) or cls.__name__
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        return f"{where}: unknown key{_known_keys(cls, loc)}"
+    if kind in ("missing", "missing_argument"):
+        return f"{where}: required"
+    if kind == "value_error":  # a dataclass's own check; its message may name the field
+        message = str(getattr(ctx.get("error"), "message", ctx.get("error")))
+        if not loc:
+            return message
+        return f"{where}: {message.removeprefix(f'{loc[-1]}: ')}"
+    expected = ctx["expected"] if kind == "literal_error" else _EXPECTED.get(kind)
+    if expected is None:
+        return f"{where}: {error['msg']}"
+    return f"{where}: expected {expected}, got {json.dumps(error['input'])[:80]}"
+
+
+def _known_keys(cls: type, loc: list) -> str:
+    """ " (did you mean 'x'?)" or the keys the dataclass at `loc[:-1]` takes."""
+    for name in loc[:-1]:
+        hint = typing.get_type_hints(cls).get(name)
+        found = [t for t in (hint, *typing.get_args(hint)) if is_dataclass(t)]
+        if not found:
+            return ""
+        cls = found[0]
+    keys = list(cls.__dataclass_fields__)
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+    return (
+        f" (did you mean {close[0]!r}?)" if close else f" ({cls.__name__} keys: {', '.join(keys)})"
+    )
+
+
+def _path(loc: Any) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
+def _mapping_defaults(node: Any) -> None:
+    """A NamedNumbers default is an empty mapping in the dict form, not pydantic's `[]`."""
+    if isinstance(node, dict):
+        if node.get("type") == "object" and node.get("default") == []:
+            node["default"] = {}
+        for v in node.values():
+            _mapping_defaults(v)
+    elif isinstance(node, list):
+        for v in node:
+            _mapping_defaults(v)

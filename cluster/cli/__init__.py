@@ -1,6 +1,6 @@
 """The `pdserve` command (`main`) and its verbs: `serve` (start or join Ray, deploy, print the
-endpoints), `bench` and `phases` (`bench`), `generate` (over gRPC, or in this process) and
-`status`.
+endpoints), `bench` and `phases` (`bench`), `generate` (over gRPC, or in this process), `status`
+(tables, `--json`, `--watch`) and `config-schema`.
 
 May import: any `cluster` plane.
 """

@@ -35,10 +35,23 @@ from cluster.client.workload import (
 
 def add_arguments(p: argparse.ArgumentParser, slo: bool = True) -> None:
     p.add_argument("--target", default="127.0.0.1:9000", help="gRPC address of a cluster")
-    p.add_argument("--application", default=None, help="Serve application (if several)")
+    p.add_argument(
+        "--application",
+        default=None,
+        help="Serve application, when Serve runs several (default: the only one)",
+    )
     w = p.add_argument_group("workload: a trace, or synthetic random prompts")
-    w.add_argument("--trace", default=None, help="Mooncake-format JSONL trace to replay")
-    w.add_argument("--max-requests", type=int, default=None, help="replay N requests of the trace")
+    w.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL trace to replay (default: synthetic random prompts)",
+    )
+    w.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        help="replay N requests of the trace (default: all)",
+    )
     w.add_argument("--skip", type=int, default=0, help="start after the trace's first N requests")
     w.add_argument(
         "--length-scale",
@@ -58,9 +71,9 @@ def add_arguments(p: argparse.ArgumentParser, slo: bool = True) -> None:
         default=TraceScale.time,
         help="trace clock times this (2 = half the request rate)",
     )
-    w.add_argument("--num-requests", type=int, default=16)
-    w.add_argument("--input-len", type=int, default=128)
-    w.add_argument("--output-len", type=int, default=32)
+    w.add_argument("--num-requests", type=int, default=16, help="synthetic: requests to send")
+    w.add_argument("--input-len", type=int, default=128, help="synthetic: prompt tokens")
+    w.add_argument("--output-len", type=int, default=32, help="synthetic: output tokens")
     w.add_argument(
         "--rate", type=float, default=math.inf, help="requests/s, Poisson (default: all at once)"
     )
@@ -71,13 +84,30 @@ def add_arguments(p: argparse.ArgumentParser, slo: bool = True) -> None:
         help="prompt tokens' seed (default: a new one per run, so that no prompt is in the "
         "prefix cache from an earlier run)",
     )
-    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (default: unbounded)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     if slo:
-        p.add_argument("--slo-ttft-ms", type=float, default=None)
-        p.add_argument("--slo-tpot-ms", type=float, default=None)
+        p.add_argument(
+            "--slo-ttft-ms",
+            type=float,
+            default=None,
+            help="SLO on time to first token: report the requests within it (default: none)",
+        )
+        p.add_argument(
+            "--slo-tpot-ms",
+            type=float,
+            default=None,
+            help="SLO on time per output token: report the requests within it (default: none)",
+        )
     p.add_argument("--json", action="store_true", help="print one JSON object, not Markdown")
-    p.add_argument("--out", default=None, help="also write the report to this file")
+    p.add_argument(
+        "--out", default=None, help="also write the report to this file (default: stdout only)"
+    )
 
 
 def workload_of(args: argparse.Namespace, info) -> Workload:

@@ -13,6 +13,56 @@ import uuid
 from cluster.request import TokenLogprobs
 
 
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "prompt", nargs="?", default=None, help="the prompt text (default: --prompt-token-ids)"
+    )
+    p.add_argument(
+        "--prompt-token-ids",
+        default=None,
+        metavar="IDS",
+        help="comma-separated token ids, instead of a prompt (default: the prompt)",
+    )
+    p.add_argument("--local", action="store_true", help="run the engine in this process")
+    p.add_argument(
+        "--target", default="127.0.0.1:9000", help="gRPC address of a cluster (not --local)"
+    )
+    p.add_argument(
+        "--application",
+        default=None,
+        help="Serve application, when Serve runs several (default: the only one)",
+    )
+    s = p.add_argument_group("sampling (unset: the server's defaults)")
+    s.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate at most (default: the server's, cut to fit the context)",
+    )
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1.0)")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: 1.0)")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: one per request)"
+    )
+    s.add_argument("--stop", action="append", default=[], help="a stop string; repeat for more")
+    s.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence")
+    s.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each token's logprob and the N most likely (default: none)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    local = p.add_argument_group("--local only")
+    local.add_argument(
+        "--model", default=None, help="HF checkpoint dir (default: the embedded tiny model)"
+    )
+    local.add_argument("--device", default="cpu", help="torch device")
+    local.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+
+
 def generate_main(args: argparse.Namespace) -> int:
     ids = _token_ids(args)
     return _local(args, ids) if args.local else _remote(args, ids)

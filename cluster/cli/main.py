@@ -1,16 +1,44 @@
-"""The `pdserve` command line: make-model, generate, serve, status, bench, phases."""
+"""The `pdserve` command line: make-model, generate, serve, status, bench, phases,
+config-schema."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
 import sys
+import tomllib
 from collections.abc import Sequence
+from pathlib import Path
 
 from cluster.errors import PdServeError
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default: "(default: X)" is added unless the help
+    already says what the default is, as it must where the default is None."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+def package_version() -> str:
+    """pdserve's version: the installed package's, else the source tree's pyproject.toml."""
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        try:
+            return tomllib.loads(pyproject.read_text())["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
@@ -19,57 +47,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
-    mk = sub.add_parser("make-model", help="write a deterministic random-weight checkpoint")
-    mk.add_argument("out_dir")
-    mk.add_argument("--preset", default="tiny", choices=["tiny", "small"])
-    mk.add_argument("--seed", type=int, default=0)
-    mk.set_defaults(func=_make_model)
+    def verb(name: str, text: str, func) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        parser.set_defaults(func=func)
+        return parser
 
-    gen = sub.add_parser("generate", help="generate from a prompt (in-process with --local)")
-    gen.add_argument("prompt", nargs="?", default=None)
-    gen.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
-    gen.add_argument("--local", action="store_true", help="run the engine in this process")
-    gen.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded tiny)")
-    gen.add_argument("--target", default="127.0.0.1:9000", help="gRPC address of a cluster")
-    gen.add_argument("--application", default=None, help="Serve application (if several)")
-    gen.add_argument("--max-tokens", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument(
-        "--logprobs", type=int, default=None, help="with --json: each token's logprob and N top"
-    )
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default="float32")
-    gen.set_defaults(func=_generate)
-
-    srv = sub.add_parser("serve", help="start (or join) a Ray cluster and deploy pdserve")
-    from cluster.cli.serve import add_serve_arguments
-
-    add_serve_arguments(srv)
-    srv.set_defaults(func=_serve)
-
-    st = sub.add_parser("status", help="pools, replicas and KV usage of a running cluster")
-    st.add_argument("--target", default="127.0.0.1:9000")
-    st.add_argument("--application", default=None, help="Serve application (if several)")
-    st.set_defaults(func=_status)
+    mk = verb("make-model", "write a deterministic random-weight checkpoint", _make_model)
+    mk.add_argument("out_dir", help="directory to write the checkpoint and tokenizer into")
+    mk.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="model shape")
+    mk.add_argument("--seed", type=int, default=0, help="seed of the random weights")
 
     from cluster.cli import bench as bench_cli
+    from cluster.cli.generate import add_generate_arguments
+    from cluster.cli.serve import add_serve_arguments
+    from cluster.cli.status import add_status_arguments
 
-    bn = sub.add_parser("bench", help="send a workload (trace or synthetic) and report latencies")
+    gen = verb("generate", "generate from a prompt (in-process with --local)", _generate)
+    add_generate_arguments(gen)
+    srv = verb("serve", "start (or join) a Ray cluster and deploy pdserve", _serve)
+    add_serve_arguments(srv)
+    st = verb("status", "pools, replicas and KV usage of a running cluster", _status)
+    add_status_arguments(st)
+    bn = verb("bench", "send a workload (trace or synthetic) and report latencies", None)
     bench_cli.add_arguments(bn)
     bn.set_defaults(func=bench_cli.bench_main)
-    ph = sub.add_parser("phases", help="which phase dominates a workload, predicted and measured")
+    ph = verb("phases", "which phase dominates a workload, predicted and measured", None)
     bench_cli.add_arguments(ph, slo=False)
     ph.set_defaults(func=bench_cli.phases_main)
+    verb(
+        "config-schema",
+        "print the JSON schema of the app config (a Serve config's `args`)",
+        _config_schema,
+    )
     return p
 
 
@@ -82,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from cluster.cli.status import status_main
 
-    return status_main(args.target, args.application)
+    return status_main(args)
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -97,6 +111,13 @@ def _generate(args: argparse.Namespace) -> int:
     from cluster.cli.generate import generate_main
 
     return generate_main(args)
+
+
+def _config_schema(args: argparse.Namespace) -> int:
+    from cluster.serving.app_config import app_config_schema
+
+    print(json.dumps(app_config_schema(), indent=2))
+    return 0
 
 
 if __name__ == "__main__":

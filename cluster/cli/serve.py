@@ -10,63 +10,126 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import ray
 import yaml
-from ray import serve
 
-from cluster.serving.app import GRPC_SERVICER, apply_node_env, build_app, default_config
+from cluster.errors import InvalidArgument
+from cluster.serving.app import (
+    BUILDER_PATH,
+    GRPC_SERVICER,
+    apply_node_env,
+    build_app,
+    config_from_args,
+    default_config,
+    override_conflicts,
+)
 from cluster.serving.app_config import AppConfig
 from cluster.serving.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, AutoscalingSettings
 from cluster.serving.cpu_affinity import cpu_list_arg, format_cpu_list, reserve_for_engines
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded tiny)")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    p.add_argument("--prefill-replicas", type=int, default=1)
-    p.add_argument("--decode-replicas", type=int, default=1)
-    p.add_argument("--grpc-port", type=int, default=9000)
-    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument(
+        "--model", default=None, help="HF checkpoint dir (default: the embedded tiny model)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=["disaggregated", "colocated"],
+        default="disaggregated",
+        help="separate prefill and decode pools, or one pool doing both (the baseline)",
+    )
+    p.add_argument(
+        "--prefill-replicas", type=int, default=1, help="prefill pool size (autoscaling: initial)"
+    )
+    p.add_argument(
+        "--decode-replicas", type=int, default=1, help="decode pool size (autoscaling: initial)"
+    )
+    p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
+    p.add_argument("--http-port", type=int, default=8000, help="Serve's HTTP proxy port")
     p.add_argument("--host", default="127.0.0.1", help="address the proxies bind")
-    p.add_argument("--address", default=None, help="Ray cluster to join: auto or ray://...")
-    p.add_argument("--config", default=None, help="a Serve config file, as for `serve run`")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join: auto or ray://... (default: start a local Ray)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="deploy a Serve config file, as `serve run FILE` does, instead of the flags that "
+        "shape the app (default: the flags)",
+    )
+    p.add_argument("--device", default="cpu", help="torch device; cuda gives each engine a GPU")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per engine replica")
-    p.add_argument("--torch-threads", type=int, default=0)
+    p.add_argument(
+        "--torch-threads", type=int, default=0, help="torch threads per engine; 0 = torch's"
+    )
     p.add_argument(
         "--engine-cpus",
         type=cpu_list_arg,
         default=(),
         metavar="LIST",
         help="cores for the engine threads only, e.g. 1 or 2-7; the local Ray this starts runs "
-        "on the other cores (with --address, start that cluster's Ray off them: taskset)",
+        "on the other cores (with --address, start that cluster's Ray off them: taskset) "
+        "(default: no pinning)",
     )
     p.add_argument(
         "--prefix-affinity",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="send a prompt back to the replica whose prefix cache holds its start (default); "
+        help="send a prompt back to the replica whose prefix cache holds its start; "
         "--no-prefix-affinity: Serve's power of two choices",
     )
+    p.add_argument("--demo", action="store_true", help="send one request once it is up")
+    p.add_argument("--exit", action="store_true", help="shut down after deploying (and --demo)")
+    _add_autoscaling_arguments(p)
+
+
+def _add_autoscaling_arguments(p: argparse.ArgumentParser) -> None:
     scale = p.add_argument_group(
         "autoscaling (a pool autoscales once either of its bounds is given)"
     )
     for pool in ("prefill", "decode"):
-        scale.add_argument(f"--{pool}-min-replicas", type=int, default=None)
-        scale.add_argument(f"--{pool}-max-replicas", type=int, default=None)
+        for bound in ("min", "max"):
+            scale.add_argument(
+                f"--{pool}-{bound}-replicas",
+                type=int,
+                default=None,
+                help=f"{bound}imum {pool} replicas (default: no autoscaling)",
+            )
+    targets = dict(PREFILL_TARGETS + DECODE_TARGETS)
     scale.add_argument(
-        "--prefill-target-queued-tokens", type=float, default=None, help="per replica"
+        "--prefill-target-queued-tokens",
+        type=float,
+        default=None,
+        help=f"queued prompt tokens per prefill replica "
+        f"(default: {targets['queued_prompt_tokens']:g})",
     )
-    scale.add_argument("--decode-target-running", type=float, default=None, help="per replica")
-    scale.add_argument("--decode-target-kv-usage", type=float, default=None, help="0-1")
-    scale.add_argument("--upscale-delay", type=float, default=10.0, help="seconds")
-    scale.add_argument("--downscale-delay", type=float, default=60.0, help="seconds")
-    p.add_argument("--demo", action="store_true", help="send one request once it is up")
-    p.add_argument("--exit", action="store_true", help="shut down after deploying (and --demo)")
+    scale.add_argument(
+        "--decode-target-running",
+        type=float,
+        default=None,
+        help=f"running sequences per decode replica (default: {targets['running']:g})",
+    )
+    scale.add_argument(
+        "--decode-target-kv-usage",
+        type=float,
+        default=None,
+        help=f"KV cache usage (0-1) per decode replica (default: {targets['kv_usage']:g})",
+    )
+    scale.add_argument(
+        "--upscale-delay", type=float, default=10.0, help="seconds a scale-up must hold"
+    )
+    scale.add_argument(
+        "--downscale-delay", type=float, default=60.0, help="seconds a scale-down must hold"
+    )
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    # A bad config ends the command here, before Ray starts.
+    config = None if args.config else _config_from_flags(args)
+    if args.config:
+        read_serve_file(Path(args.config))
     # A fresh local instance gets at least 4 logical CPUs, so the three deployments fit on a
     # small machine; a joined cluster keeps its own resources.
     local_cpus = None if args.address else max(4, os.cpu_count() or 1)
@@ -88,6 +151,9 @@ def serve_main(args: argparse.Namespace) -> int:
         )
     if not args.address:  # a joined cluster's nodes get NODE_ENV_VARS from `ray start`
         apply_node_env()
+    import ray
+    from ray import serve
+
     context = ray.init(
         address=args.address,
         num_cpus=local_cpus,
@@ -95,10 +161,9 @@ def serve_main(args: argparse.Namespace) -> int:
         dashboard_host="127.0.0.1",
         ignore_reinit_error=True,
     )
-    if args.config:
+    if config is None:
         grpc_port, http_port = _deploy_config_file(Path(args.config))
     else:
-        config = _config_from_flags(args)
         serve.start(
             http_options={"host": args.host, "port": args.http_port},
             grpc_options={"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
@@ -189,11 +254,12 @@ def _deploy_config_file(path: Path, timeout_s: float = 1800.0) -> tuple[int, int
     may first have to start GPU nodes, hence the long timeout."""
     import time
 
+    from ray import serve
     from ray.serve._private.api import serve_start
     from ray.serve.config import gRPCOptions
     from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
-    raw: dict[str, Any] = yaml.safe_load(path.read_text())
+    raw = read_serve_file(path)
     config = ServeDeploySchema.model_validate(raw)
     client = serve_start(
         http_options=config.http_options.model_dump(),
@@ -218,6 +284,31 @@ def _deploy_config_file(path: Path, timeout_s: float = 1800.0) -> tuple[int, int
             return config.grpc_options.port, config.http_options.port
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path}: not RUNNING after {timeout_s:.0f}s: {status}")
+
+
+def read_serve_file(path: Path) -> dict[str, Any]:
+    """A Serve config file, each pdserve application in it checked as its builder will read
+    it: `args` strictly (`AppConfig.from_dict`), and its `deployments:` entries against them
+    (`override_conflicts`). Refused with INVALID_ARGUMENT naming the file, the application
+    and each field."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise InvalidArgument(f"{path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"{path}: not a Serve config file (a mapping with applications:)")
+    for app in raw.get("applications") or []:
+        if not isinstance(app, dict) or app.get("import_path") != BUILDER_PATH:
+            continue
+        where = f"{path}: application {app.get('name', 'default')!r}"
+        try:
+            config = config_from_args(app.get("args"))
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{where}, args: {e.message}", param=e.param) from None
+        problems = override_conflicts(config, app.get("deployments") or [])
+        if problems:
+            raise InvalidArgument(f"{where}: " + "; ".join(problems))
+    return raw
 
 
 def _demo(target: str) -> None:

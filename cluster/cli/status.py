@@ -1,26 +1,134 @@
 """`pdserve status`: a running cluster's pools (replicas now and targeted, bounds, load) and its
-replicas (KV blocks, sequences, queued prompt tokens, tokens generated), as two tables."""
+replicas (KV blocks, sequences, queued prompt tokens, tokens generated), as two tables or, with
+`--json`, as one JSON object; `--watch` refreshes until Ctrl-C."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TextIO
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 
 from cluster.client.generation_client import GenerationClient
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+WATCH_EVERY_S = 2.0
 
 
-def status_main(target: str, application: str | None = None) -> int:
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="127.0.0.1:9000", help="gRPC address of a cluster")
+    p.add_argument(
+        "--application",
+        default=None,
+        help="Serve application, when Serve runs several (default: the only one)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: model, kv_transport, pools, replicas (with --watch: one "
+        "per line)",
+    )
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=WATCH_EVERY_S,
+        default=None,
+        metavar="SECONDS",
+        help=f"refresh every SECONDS ({WATCH_EVERY_S:g} if not given) until Ctrl-C "
+        "(default: print once)",
+    )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One look at a cluster: its model and its stats, and when they were read."""
+
+    info: pb.ModelInfo
+    stats: pb.ClusterStats
+    at: datetime
+
+
+def fetch(target: str, application: str | None) -> Snapshot:
+    """Read a cluster's `GetModelInfo` and `GetStats` (raises `grpc.RpcError`)."""
+    with GenerationClient(target, application) as client:
+        return Snapshot(client.model_info(), client.stats(), datetime.now(UTC))
+
+
+def status_main(args: argparse.Namespace) -> int:
+    if args.watch is not None and not args.watch > 0:
+        raise SystemExit("--watch must be > 0 seconds")
+    return show_status(lambda: fetch(args.target, args.application), args.json, args.watch)
+
+
+def show_status(
+    read: Callable[[], Snapshot],
+    as_json: bool,
+    watch: float | None,
+    out: TextIO | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Print `read()` once, or every `watch` seconds until Ctrl-C. A failed read is reported
+    on stderr: once, it ends the command (exit status 2); watching, the next read retries."""
+    out = out or sys.stdout
     try:
-        with GenerationClient(target, application) as client:
-            info = client.model_info()
-            stats = client.stats()
-    except grpc.RpcError as e:
-        print(f"error ({e.code().name}): {e.details()}", file=sys.stderr)
-        return 2
+        while True:
+            try:
+                snapshot = read()
+            except grpc.RpcError as e:
+                print(f"error ({e.code().name}): {e.details()}", file=sys.stderr, flush=True)
+                if watch is None:
+                    return 2
+            else:
+                if as_json:
+                    out.write(json.dumps(status_json(snapshot), allow_nan=False) + "\n")
+                else:
+                    lines = render(snapshot)
+                    if watch is not None:
+                        lines = [_watch_header(snapshot, watch, out), *lines]
+                    out.write("\n".join(lines) + "\n")
+                out.flush()
+            if watch is None:
+                return 0
+            sleep(watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def status_json(snapshot: Snapshot) -> dict[str, Any]:
+    """The snapshot as plain JSON types: `time` (ISO 8601, UTC), `model` (`ModelInfo`) and
+    `ClusterStats`' `kv_transport`, `pools` and `replicas`, with the proto field names; every
+    field present, integers as numbers."""
+
+    def plain(message) -> dict[str, Any]:
+        return MessageToDict(
+            message,
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+            unquote_int64_if_possible=True,
+        )
+
+    return {
+        "time": snapshot.at.isoformat(timespec="milliseconds"),
+        "model": plain(snapshot.info),
+        **plain(snapshot.stats),
+    }
+
+
+def render(snapshot: Snapshot) -> list[str]:
+    """The two tables, as lines."""
+    info, stats = snapshot.info, snapshot.stats
     transport = f"  kv transport {stats.kv_transport}" if stats.kv_transport else ""
-    print(f"model {info.model_id}  mode {info.mode}  block_size {info.block_size}{transport}\n")
-    _table(
+    lines = [f"model {info.model_id}  mode {info.mode}  block_size {info.block_size}{transport}"]
+    lines += [""] + _table(
         ("pool", "deployment", "replicas", "target", "min..max", "load (total / target each)"),
         [
             (
@@ -34,19 +142,8 @@ def status_main(target: str, application: str | None = None) -> int:
             for p in stats.pools
         ],
     )
-    print()
-    header = (
-        "pool",
-        "replica",
-        "kv total",
-        "kv used",
-        "kv leased",
-        "kv cached",
-        "running",
-        "waiting",
-        "queued",
-        "generated",
-    )
+    header = ("pool", "replica", "kv total", "kv used", "kv leased", "kv cached", "running")
+    header += ("waiting", "queued", "generated")
     rows = [
         (
             r.pool,
@@ -62,11 +159,19 @@ def status_main(target: str, application: str | None = None) -> int:
         )
         for r in stats.replicas
     ]
-    _table(header, rows)
-    return 0
+    return lines + [""] + _table(header, rows)
 
 
-def _table(header: tuple, rows: list[tuple]) -> None:
+def _watch_header(snapshot: Snapshot, every_s: float, out: TextIO) -> str:
+    """On a terminal the screen is cleared first; into a file or pipe, snapshots follow."""
+    clear = CLEAR_SCREEN if out.isatty() else "\n"
+    when = snapshot.at.astimezone().strftime("%H:%M:%S")
+    return f"{clear}{when}  every {every_s:g}s, Ctrl-C to stop\n"
+
+
+def _table(header: tuple, rows: list[tuple]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    for row in (header, *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+    return [
+        "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
+        for row in (header, *rows)
+    ]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping
-from typing import Any
-
-from ray import serve
-from ray.serve import Application
+from typing import TYPE_CHECKING, Any
 
 from cluster.config import ModelConfig
 from cluster.serving.app_config import AppConfig, PoolConfig
+
+if TYPE_CHECKING:  # ray.serve is imported when an app is built, not to read a config
+    from ray.serve import Application
 
 ROLE_CLASSES = {
     "Router": "router.router:Router",
@@ -30,6 +30,8 @@ ROLE_CLASSES = {
 # A replica being removed gets this long to finish its streams and hand over its KV leases.
 GRACEFUL_SHUTDOWN_S = 30.0
 GRPC_SERVICER = "router.grpc_ingress.add_generation_servicer"
+# A Serve config file's `import_path` for this builder.
+BUILDER_PATH = "cluster.serving.app:build_app"
 # The pools whose replicas prefill, and the request router that sends a prompt back to the
 # replica whose prefix cache holds its start (`PoolConfig.prefix_affinity`).
 PREFILLING_ROLES = ("Prefill", "Colocated")
@@ -61,7 +63,7 @@ def apply_node_env() -> dict[str, str]:
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Serve builder. `args` is an `AppConfig` or its dict form (`AppConfig.to_dict()`);
     without a model path the embedded tiny model is used."""
-    config = args if isinstance(args, AppConfig) else _config_from_args(dict(args or {}))
+    config = args if isinstance(args, AppConfig) else config_from_args(args)
     return compose_app(config)
 
 
@@ -84,26 +86,36 @@ def compose_app(config: AppConfig, role_classes: Mapping[str, str] | None = None
     return router.bind(config, prefill, decode, None)
 
 
-def _config_from_args(args: dict[str, Any]) -> AppConfig:
-    model = dict(args.pop("model", None) or {})
-    if not model.get("path"):
+def config_from_args(args: Mapping[str, Any] | None) -> AppConfig:
+    """The `AppConfig` of a Serve config's `args`, strictly validated (`AppConfig.from_dict`);
+    without `model.path`, the embedded tiny model."""
+    if not isinstance(args, Mapping | None):
+        return AppConfig.from_dict(args)  # refused: not a mapping
+    args = dict(args or {})
+    model = args.get("model")
+    if model is None or isinstance(model, Mapping) and model.get("path") in (None, ""):
         from cluster.model.make_model import default_model_dir
 
-        model["path"] = str(default_model_dir())
-    args["model"] = model
+        args["model"] = {**(model or {}), "path": str(default_model_dir())}
     return AppConfig.from_dict(args)
 
 
-def _deployment(name: str, import_path: str, pool: PoolConfig):
-    module, _, attr = import_path.partition(":")
-    cls = getattr(importlib.import_module(module), attr)
+def deployment_pools(config: AppConfig) -> dict[str, str]:
+    """Deployment name -> the `AppConfig` pool it is built from."""
+    if config.mode == "colocated":
+        return {"Router": "router", "Colocated": "decode"}
+    return {"Router": "router", "Prefill": "prefill", "Decode": "decode"}
+
+
+def deployment_options(name: str, pool: PoolConfig) -> dict[str, Any]:
+    """The options of `serve.deployment` for deployment `name`, all derived from its pool:
+    size or autoscaling, Ray resources, request limits, request router."""
     size = (
         {"autoscaling_config": pool.autoscaling.serve_config()}
         if pool.autoscaling is not None
         else {"num_replicas": pool.replicas}
     )
-    options = pool.actor_options()
-    options["runtime_env"] = {"env_vars": dict(REPLICA_ENV_VARS)}
+    actor = {**pool.actor_options(), "runtime_env": {"env_vars": dict(REPLICA_ENV_VARS)}}
     routing = {}
     if name in PREFILLING_ROLES and pool.prefix_affinity and pool.cache.enable_prefix_caching:
         routing["request_router_config"] = {
@@ -113,17 +125,69 @@ def _deployment(name: str, import_path: str, pool: PoolConfig):
                 "max_imbalance": pool.affinity_max_imbalance,
             },
         }
-    return serve.deployment(
-        cls,
-        name=name,
-        ray_actor_options=options,
-        max_ongoing_requests=pool.ongoing_limit,
-        max_queued_requests=pool.queued_limit,
-        health_check_period_s=5,
-        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+    return {
+        "ray_actor_options": actor,
+        "max_ongoing_requests": pool.ongoing_limit,
+        "max_queued_requests": pool.queued_limit,
+        "health_check_period_s": 5,
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
         **size,
         **routing,
-    )
+    }
+
+
+# What `deployment_options` derives from a pool: a Serve config's `deployments:` entry that
+# sets one of these is applied by Serve over the builder's, so it must say the same.
+POOL_OPTIONS = (
+    "ray_actor_options",
+    "num_replicas",
+    "autoscaling_config",
+    "max_ongoing_requests",
+    "max_queued_requests",
+    "request_router_config",
+)
+
+
+def override_conflicts(config: AppConfig, deployments: list[Mapping[str, Any]]) -> list[str]:
+    """Where a Serve config's `deployments:` entries disagree with what the builder derives
+    from `args` (`deployment_options`), one line each; [] when they agree. Serve cannot see
+    this: it applies the entry over the builder's options and the pool silently changes."""
+    pools = deployment_pools(config)
+    problems = []
+    for entry in deployments:
+        name = entry.get("name")
+        if name not in pools:
+            problems.append(f"deployments: no deployment {name!r} in this app {list(pools)}")
+            continue
+        built = deployment_options(name, getattr(config, pools[name]))
+        for option in (o for o in POOL_OPTIONS if o in entry):
+            mine, theirs = entry[option], built.get(option)
+            if option == "ray_actor_options":
+                mine, theirs = _ray_resources(mine or {}), _ray_resources(theirs)
+            if mine != theirs:
+                problems.append(f"deployments[{name}].{option} is {mine}: " + (
+                    f"args.{pools[name]} makes it {theirs}; set it in args.{pools[name]} only"
+                    if theirs is not None
+                    else f"leave it out, the pool's size and autoscaling are args.{pools[name]}'s"
+                ))  # fmt: skip
+    return problems
+
+
+def _ray_resources(actor_options: Mapping[str, Any]) -> dict[str, Any]:
+    """An actor's resource request with Serve's defaults filled in, for comparison."""
+    return {
+        "num_cpus": float(actor_options.get("num_cpus", 1)),
+        "num_gpus": float(actor_options.get("num_gpus", 0)),
+        "resources": {k: float(v) for k, v in (actor_options.get("resources") or {}).items()},
+    }
+
+
+def _deployment(name: str, import_path: str, pool: PoolConfig):
+    from ray import serve
+
+    module, _, attr = import_path.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    return serve.deployment(cls, name=name, **deployment_options(name, pool))
 
 
 def default_config(model_path: str | None = None, **overrides: Any) -> AppConfig:

@@ -1,17 +1,32 @@
 """The whole application's configuration, built once at the top and sliced per deployment.
 
-Accepts the plain dict a Serve config file's `args:` holds (see `AppConfig.from_dict`), so the
-same settings come from Python, from `serve run`/`serve deploy` files and from the CLI.
+Accepts the plain dict a Serve config file's `args:` holds (`AppConfig.from_dict`, strict: see
+`cluster.config.parse_config`), so the same settings come from Python, from `serve run`/`serve
+deploy` files and from the CLI; `app_config_schema` is that dict's JSON schema.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, Literal
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
+from pydantic import BeforeValidator, with_config
+
+from cluster.config import (
+    DICT_FORM,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    Resources,
+    SchedulerConfig,
+    TransferConfig,
+    config_schema,
+    dump_config,
+    parse_config,
+)
 from cluster.errors import InvalidArgument
 from cluster.serving.autoscaling import (
     DECODE_TARGETS,
@@ -22,9 +37,23 @@ from cluster.serving.autoscaling import (
 from cluster.serving.cpu_affinity import parse_cpu_list
 
 Mode = Literal["disaggregated", "colocated"]
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 
+def _cpu_list(value: Any) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(value)
+    except InvalidArgument as e:
+        raise ConfigError(e.message) from None
+
+
+# In the dict form a Linux cpu list ("2-7"), one core or a list of cores.
+CpuList = Annotated[
+    tuple[int, ...], BeforeValidator(_cpu_list, json_schema_input_type=str | int | list[int])
+]
+
+
+@with_config(DICT_FORM)
 @dataclass(frozen=True)
 class PoolConfig:
     """One deployment's replicas and resources, and (for engine pools) its KV pool and
@@ -33,7 +62,7 @@ class PoolConfig:
     replicas: int = 1  # fixed size; ignored when `autoscaling` is set
     num_cpus: float = 1.0
     num_gpus: float = 0.0
-    resources: tuple[tuple[str, float], ...] = ()
+    resources: Resources = ()
     torch_threads: int = 0
     # Python's GIL switch interval in this pool's engine replicas. The engine thread shares the
     # GIL with Serve's event loop; at Python's default (5 ms) each burst of the loop's work
@@ -43,7 +72,7 @@ class PoolConfig:
     # ints); () = wherever the OS puts them. Keep Ray's own processes off them by starting Ray
     # from a process that is (`pdserve serve --engine-cpus`, or `taskset`;
     # cluster/serving/cpu_affinity.py).
-    engine_cpus: tuple[int, ...] = ()
+    engine_cpus: CpuList = ()
     # Requests one replica works on at once; 0 = what it can really hold (its max_num_seqs).
     max_ongoing_requests: int = 0
     # Requests waiting for a replica beyond that; more are refused at once. 0 = 4x ongoing.
@@ -61,16 +90,16 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
-            raise InvalidArgument("replicas must be >= 1")
+            raise ConfigError("replicas must be >= 1")
         if not 0 < self.gil_switch_interval_s <= 1:
-            raise InvalidArgument("gil_switch_interval_s must be in (0, 1]")
+            raise ConfigError("gil_switch_interval_s must be in (0, 1]")
         if self.num_cpus < 0 or self.num_gpus < 0 or self.torch_threads < 0:
-            raise InvalidArgument("num_cpus, num_gpus and torch_threads must be >= 0")
+            raise ConfigError("num_cpus, num_gpus and torch_threads must be >= 0")
         if self.max_ongoing_requests < 0 or self.max_queued_requests < 0:
-            raise InvalidArgument("max_ongoing_requests and max_queued_requests must be >= 0")
+            raise ConfigError("max_ongoing_requests and max_queued_requests must be >= 0")
         if self.affinity_max_imbalance < 0:
-            raise InvalidArgument("affinity_max_imbalance must be >= 0")
-        object.__setattr__(self, "engine_cpus", parse_cpu_list(self.engine_cpus))
+            raise ConfigError("affinity_max_imbalance must be >= 0")
+        object.__setattr__(self, "engine_cpus", _cpu_list(self.engine_cpus))
 
     @property
     def ongoing_limit(self) -> int:
@@ -109,6 +138,7 @@ def auto_transport(mode: Mode) -> str:
     return "nixl"
 
 
+@with_config(DICT_FORM)
 @dataclass(frozen=True)
 class AppConfig:
     model: ModelConfig
@@ -129,18 +159,25 @@ class AppConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
-            raise InvalidArgument(f"mode must be disaggregated or colocated, got {self.mode!r}")
+            raise ConfigError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         # Cross-pool contract: both pools must lay out KV blocks the same way.
         if self.prefill.cache.block_size != self.decode.cache.block_size:
-            raise InvalidArgument("prefill and decode pools must use the same KV block_size")
+            raise ConfigError("prefill and decode pools must use the same KV block_size")
         if self.default_max_tokens <= 0 or self.request_timeout_seconds <= 0:
-            raise InvalidArgument("default_max_tokens and request_timeout_seconds must be > 0")
+            raise ConfigError("default_max_tokens and request_timeout_seconds must be > 0")
         if self.max_retries < 0 or self.max_migrations < 0:
-            raise InvalidArgument("max_retries and max_migrations must be >= 0")
+            raise ConfigError("max_retries and max_migrations must be >= 0")
         if self.router.engine_cpus:
-            raise InvalidArgument("engine_cpus is for the engine pools; the router has no engine")
+            raise ConfigError("engine_cpus is for the engine pools; the router has no engine")
         if self.transfer.transport == "nccl" and not self.model.device.startswith("cuda"):
-            raise InvalidArgument("transport nccl moves KV between GPUs: it needs device cuda")
+            raise ConfigError("transport nccl moves KV between GPUs: it needs device cuda")
+        if self.router.autoscaling is not None:
+            engine_only = sorted({s for s, _ in self.router.autoscaling.targets} - {"requests"})
+            if engine_only:
+                raise ConfigError(
+                    f"router.autoscaling.targets: {engine_only} are engine signals; the router "
+                    'scales on "requests" only'
+                )
 
     def resolved(self) -> AppConfig:
         """Fill what is derived at build time: the KV transport if "auto" (`auto_transport`),
@@ -171,54 +208,26 @@ class AppConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AppConfig:
-        """Build from nested plain dicts (unknown keys are refused, naming the key)."""
-        return _build(cls, d)
+        """Build from the dict form (nested plain dicts, as in a Serve config's `args`),
+        validated strictly: unknown keys, wrong types and unknown autoscaling signals are
+        refused with INVALID_ARGUMENT naming each field's path."""
+        return parse_config(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
-        return _dump(self)
+        """The dict form (plain JSON types); `from_dict` reads it back."""
+        return dump_config(self)
 
 
-def _build(cls, d: dict[str, Any]):
-    if not isinstance(d, dict):
-        raise InvalidArgument(f"{cls.__name__} must be a mapping, got {type(d).__name__}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = set(d) - set(known)
-    if unknown:
-        raise InvalidArgument(f"unknown {cls.__name__} keys: {sorted(unknown)}")
-    kwargs = {}
-    for name, value in d.items():
-        sub = _NESTED.get((cls, name))
-        if sub is not None and value is not None:
-            kwargs[name] = _build(sub, value)
-        elif name in ("resources", "targets"):
-            kwargs[name] = tuple(sorted((str(k), float(v)) for k, v in dict(value).items()))
-        else:
-            kwargs[name] = value
-    return cls(**kwargs)
-
-
-def _dump(obj) -> Any:
-    if hasattr(obj, "__dataclass_fields__"):
-        out = {}
-        for f in fields(obj):
-            v = getattr(obj, f.name)
-            if f.name in ("resources", "targets"):
-                out[f.name] = dict(v)
-            elif f.name == "engine_cpus":
-                out[f.name] = list(v)
-            else:
-                out[f.name] = _dump(v)
-        return out
-    return obj
-
-
-_NESTED = {
-    (AppConfig, "model"): ModelConfig,
-    (AppConfig, "router"): PoolConfig,
-    (AppConfig, "prefill"): PoolConfig,
-    (AppConfig, "decode"): PoolConfig,
-    (AppConfig, "transfer"): TransferConfig,
-    (PoolConfig, "cache"): CacheConfig,
-    (PoolConfig, "autoscaling"): AutoscalingSettings,
-    (PoolConfig, "scheduler"): SchedulerConfig,
-}
+def app_config_schema() -> dict[str, Any]:
+    """The JSON schema of a Serve config's `args` for `cluster.serving.app:build_app` (the
+    dict form of `AppConfig`). There `model` and `model.path` may be left out: the builder
+    then serves the embedded tiny model."""
+    schema = config_schema(AppConfig)
+    schema.pop("required")  # ["model"]
+    schema["$defs"]["ModelConfig"].pop("required")  # ["path"]
+    schema["title"] = "pdserve AppConfig"
+    schema["description"] = (
+        "The `args` of a Serve config for cluster.serving.app:build_app (AppConfig.from_dict); "
+        "fields: docs/configuration.md"
+    )
+    return schema

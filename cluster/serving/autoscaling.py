@@ -15,13 +15,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from cluster.errors import InvalidArgument
+from pydantic import with_config
+
+from cluster.config import DICT_FORM, ConfigError, NamedNumbers
 
 POLICY_PATH = "cluster.serving.autoscaling:PoolLoadPolicy"
+# The load signals a target may name: what every engine replica reports
+# (`EngineReplica.record_autoscaling_stats`), and "requests", Serve's own count of a replica's
+# ongoing and queued requests (the only one a router replica has).
+ENGINE_SIGNALS = ("queued_prompt_tokens", "running", "kv_usage")
+SIGNALS = (*ENGINE_SIGNALS, "requests")
+Targets = Annotated[tuple[tuple[str, float], ...], NamedNumbers(SIGNALS)]
 
 
+@with_config(DICT_FORM)
 @dataclass(frozen=True)
 class AutoscalingSettings:
     """Bounds, delays and per-replica targets for one pool. `targets` maps a load signal the
@@ -35,19 +44,22 @@ class AutoscalingSettings:
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 60.0
     look_back_period_s: float = 15.0
-    targets: tuple[tuple[str, float], ...] = field(default_factory=tuple)
+    targets: Targets = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-            raise InvalidArgument("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
+            raise ConfigError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
         if self.initial_replicas is not None and not (
             self.min_replicas <= self.initial_replicas <= self.max_replicas
         ):
-            raise InvalidArgument("initial_replicas must lie between min and max replicas")
+            raise ConfigError("initial_replicas must lie between min and max replicas")
+        unknown = sorted({s for s, _ in self.targets} - set(SIGNALS))
+        if unknown:
+            raise ConfigError(f"targets: unknown signals {unknown}; the signals: {SIGNALS}")
         if any(t <= 0 for _, t in self.targets):
-            raise InvalidArgument("autoscaling targets must be positive")
+            raise ConfigError("autoscaling targets must be positive")
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0 or self.look_back_period_s <= 0:
-            raise InvalidArgument("autoscaling delays must be >= 0 and look_back_period_s > 0")
+            raise ConfigError("autoscaling delays must be >= 0 and look_back_period_s > 0")
 
     def serve_config(self) -> dict[str, Any]:
         """The Serve `autoscaling_config` for this pool."""

@@ -20,7 +20,12 @@ from ray.serve._private.build_app import build_app
 from ray.serve.schema import ServeDeploySchema
 
 import cluster.serving.app
-from cluster.serving.app import GRPC_SERVICER, _config_from_args
+from cluster.serving.app import (
+    GRPC_SERVICER,
+    config_from_args,
+    deployment_pools,
+    override_conflicts,
+)
 from cluster.serving.app_config import AppConfig, PoolConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -40,7 +45,7 @@ def load(path: Path) -> dict[str, Any]:
 
 def app_config_of(args: dict[str, Any]) -> AppConfig:
     """An application's `args` as the builder reads them (no model path: the embedded one)."""
-    return _config_from_args(copy.deepcopy(args))
+    return config_from_args(copy.deepcopy(args))
 
 
 def ids(paths: list[Path]) -> list[str]:
@@ -112,9 +117,11 @@ def actor_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_args_agree(raw: dict[str, Any]) -> None:
-    """The `deployments:` overrides and the args' pools say the same thing."""
+    """The `deployments:` overrides and the args' pools say the same thing (what `pdserve
+    serve --config` checks, `override_conflicts`, and the same again here by hand)."""
     for app in raw["applications"]:
         config = app_config_of(app["args"])
+        assert not override_conflicts(config, app.get("deployments", []))
         app_env = (app.get("runtime_env") or {}).get("env_vars") or {}
         for dep in app.get("deployments", []):
             pool = getattr(config, POOL_OF[dep["name"]])
@@ -182,9 +189,13 @@ def check_pools_fit(raw_serve: dict[str, Any], head: NodeType, workers: list[Nod
     for app in raw_serve["applications"]:
         args = app_config_of(app["args"])
         assert args.model.device.startswith("cuda")
-        for dep in app["deployments"]:
-            name = dep["name"]
-            opts = actor_options(dep["ray_actor_options"])
+        overrides = {dep["name"]: dep for dep in app.get("deployments", [])}
+        for name, pool in deployment_pools(args).items():
+            # The builder's, unless the file's `deployments:` entry replaces them.
+            dep = overrides.get(name, {})
+            opts = actor_options(
+                dep.get("ray_actor_options") or getattr(args, pool).actor_options()
+            )
             pool_resources = opts["resources"]
             assert pool_resources, f"{name} asks for no pool resource"
             if name in ENGINE_DEPLOYMENTS:

@@ -46,7 +46,7 @@ def _break_head_provides_pool(serve, cluster_config):
 
 
 def _break_unprovided_resource(serve, cluster_config):
-    serve["applications"][0]["deployments"][2]["ray_actor_options"]["resources"] = {"decode": 1}
+    serve["applications"][0]["args"]["decode"]["resources"] = {"decode": 1}
 
 
 def _break_too_few_nodes(serve, cluster_config):

@@ -58,8 +58,17 @@ def test_serve_check_fails_on_a_broken_copy(breakage):
         check_serve_config(broken)
 
 
+# What the Decode entry would say if it restated the pool's resources (the file states them
+# once, in args).
+DECODE_ACTOR = {"num_cpus": 8, "num_gpus": 1, "resources": {"decode_pool": 1}}
+
+
 def test_args_check_fails_without_the_replica_env_vars():
+    """An entry's ray_actor_options replace the builder's runtime_env with them: the app's
+    runtime_env must bring the replica settings back."""
     broken = load(PRODUCTION)
+    broken["applications"][0]["deployments"][2]["ray_actor_options"] = dict(DECODE_ACTOR)
+    check_args_agree(broken)
     del broken["applications"][0]["runtime_env"]
     with pytest.raises(AssertionError, match="env"):
         check_args_agree(broken)
@@ -67,6 +76,7 @@ def test_args_check_fails_without_the_replica_env_vars():
 
 def test_args_check_fails_when_pools_disagree():
     broken = load(PRODUCTION)
+    broken["applications"][0]["deployments"][2]["ray_actor_options"] = dict(DECODE_ACTOR)
     broken["applications"][0]["args"]["decode"]["resources"] = {"prefill_pool": 1}
     with pytest.raises(AssertionError):
         check_args_agree(broken)

@@ -1,0 +1,194 @@
+"""The `pdserve` command's surface: every flag of every verb has help that states its default,
+`--version`, `config-schema`, `status --json` / `--watch` (against a fake cluster; the real one
+is in tests/e2e/test_cli_status.py) and `serve --config` refusing a bad file before Ray
+starts."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tomllib
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from cluster.cli.main import HelpFormatter, build_parser, main
+from cluster.cli.status import Snapshot, show_status, status_json
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[3]
+PRODUCTION = ROOT / "deploy" / "serve" / "production.yaml"
+
+
+def verbs() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_verb_is_there():
+    assert set(verbs()) == {
+        "make-model", "generate", "serve", "status", "bench", "phases", "config-schema"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(verbs()))
+def test_every_flag_has_help_that_states_its_default(name):
+    parser = verbs()[name]
+    text = parser.format_help()
+    formatter = HelpFormatter(prog="pdserve")
+    actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    for action in actions:
+        assert action.help and action.help.strip(), f"{name} {action.dest}: no help"
+        assert all(o in text for o in action.option_strings), f"{name}: {action.dest} not listed"
+        if action.option_strings:  # positionals that must be given have no default to state
+            shown = formatter._get_help_string(action) % {"default": action.default}
+            assert "default" in shown, f"{name} {action.option_strings[0]}: {shown!r}"
+
+
+def test_the_formatter_adds_the_default_only_where_the_help_does_not_say_it():
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    parser.add_argument("--n", type=int, default=3, help="count")
+    parser.add_argument("--m", default=None, help="thing (default: none)")
+    text = " ".join(parser.format_help().split())
+    assert "count (default: 3)" in text and "thing (default: none)" in text
+    assert "(default: None)" not in text
+
+
+def test_version_is_the_packages(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out.strip() == f"pdserve {version}"
+
+
+def test_config_schema_prints_the_json_schema_of_the_app_config(capsys):
+    assert main(["config-schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["$schema"].endswith("2020-12/schema")
+    assert schema["additionalProperties"] is False
+    top = {"model", "mode", "router", "prefill", "decode", "transfer", "default_max_tokens"}
+    assert top <= set(schema["properties"])
+    assert set(schema["$defs"]) >= {"PoolConfig", "CacheConfig", "AutoscalingSettings"}
+
+
+def snapshot() -> Snapshot:
+    info = pb.ModelInfo(model_id="tiny@0", block_size=16, mode="disaggregated", vocab_size=9)
+    signal = pb.LoadSignal(name="queued_prompt_tokens", value=48, target_per_replica=2048)
+    stats = pb.ClusterStats(
+        kv_transport="grpc",
+        pools=[pb.PoolStatus(pool="prefill", deployment="Prefill", current_replicas=2,
+                             target_replicas=2, min_replicas=1, max_replicas=4,
+                             signals=[signal])],
+        replicas=[pb.ReplicaStats(pool="prefill", replica_id="r1", kv_blocks_total=512,
+                                  kv_blocks_used=3, queued_prompt_tokens=48,
+                                  generated_tokens=2**40)],
+    )  # fmt: skip
+    return Snapshot(info, stats, datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC))
+
+
+def strict_json(line: str):
+    def refuse(constant: str):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_status_json_is_strict_json_with_every_field():
+    out = io.StringIO()
+    assert show_status(snapshot, as_json=True, watch=None, out=out) == 0
+    (line,) = out.getvalue().splitlines()
+    got = strict_json(line)
+    assert got == json.loads(json.dumps(status_json(snapshot())))
+    assert got["time"] == "2025-01-02T03:04:05.000+00:00" and got["kv_transport"] == "grpc"
+    assert got["model"]["model_id"] == "tiny@0" and got["model"]["max_context_length"] == 0
+    (pool,) = got["pools"]
+    assert pool["signals"][0] == {
+        "name": "queued_prompt_tokens", "value": 48.0, "target_per_replica": 2048.0
+    }  # fmt: skip
+    (replica,) = got["replicas"]
+    assert replica["generated_tokens"] == 2**40  # uint64: a number, not a string
+    assert replica["kv_blocks_leased"] == 0  # every field, set or not
+
+
+class Stop(Exception):
+    pass
+
+
+def test_status_watch_refreshes_until_ctrl_c():
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) % 3 == 0:
+            raise KeyboardInterrupt
+
+    out = io.StringIO()
+    assert show_status(snapshot, as_json=True, watch=0.5, out=out, sleep=sleep) == 0
+    assert [strict_json(line)["kv_transport"] for line in out.getvalue().splitlines()] == [
+        "grpc"
+    ] * 3
+    assert sleeps == [0.5] * 3
+    tables = io.StringIO()
+    assert show_status(snapshot, as_json=False, watch=1, out=tables, sleep=sleep) == 0
+    text = tables.getvalue()
+    assert (
+        "Ctrl-C to stop" in text and "kv used" in text and "queued_prompt_tokens 48 / 2048" in text
+    )
+
+
+class Unreachable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection refused"
+
+
+def test_status_reports_a_failed_read_and_watching_retries(capsys):
+    def fail() -> Snapshot:
+        raise Unreachable()
+
+    assert show_status(fail, as_json=True, watch=None, out=io.StringIO()) == 2
+    assert "error (UNAVAILABLE): connection refused" in capsys.readouterr().err
+    reads = iter([fail, snapshot])
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    out = io.StringIO()
+    assert show_status(lambda: next(reads)(), as_json=True, watch=0.1, out=out, sleep=sleep) == 0
+    assert len(out.getvalue().splitlines()) == 1  # the second read's
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_status_watch_must_be_positive():
+    with pytest.raises(SystemExit, match="--watch must be > 0"):
+        main(["status", "--watch", "0"])
+
+
+def test_serve_refuses_a_bad_config_file_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    raw = yaml.safe_load(PRODUCTION.read_text())
+    raw["applications"][0]["args"]["prefill"]["cache"]["num_blocks"] = "1024"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{bad}: application 'pdserve', args: prefill.cache.num_blocks: expected an integer" in err
+    )
+    raw = yaml.safe_load(PRODUCTION.read_text())
+    raw["applications"][0]["deployments"][1]["ray_actor_options"] = {"num_cpus": 1}
+    bad.write_text(yaml.safe_dump(raw))
+    assert main(["serve", "--config", str(bad)]) == 2
+    assert "deployments[Prefill].ray_actor_options" in capsys.readouterr().err
+    assert not ray.is_initialized()

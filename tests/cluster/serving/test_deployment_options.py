@@ -1,0 +1,91 @@
+"""Each deployment's Serve options are derived from its pool in `args` alone (stated once), and a
+Serve config's `deployments:` entry that says otherwise is found, naming the option and the
+pool (`override_conflicts`, which `pdserve serve --config` refuses on)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.serving.app import (
+    build_app,
+    config_from_args,
+    deployment_options,
+    deployment_pools,
+    override_conflicts,
+)
+from cluster.serving.app_config import AppConfig
+
+ARGS = {
+    "model": {"path": "/models/m"},
+    "router": {"num_cpus": 2, "resources": {"router_pool": 1}, "max_ongoing_requests": 512},
+    "prefill": {
+        "num_cpus": 8,
+        "num_gpus": 1,
+        "resources": {"prefill_pool": 1},
+        "max_ongoing_requests": 64,
+        "autoscaling": {"min_replicas": 1, "max_replicas": 4},
+    },
+    "decode": {"replicas": 2, "num_cpus": 8, "num_gpus": 1, "resources": {"decode_pool": 1}},
+}
+
+
+def built_deployments(config: AppConfig) -> dict:
+    app = build_app(config)
+    pools = [a for a in app._bound_deployment.init_args if hasattr(a, "_bound_deployment")]
+    return {d.name: d for d in [app._bound_deployment, *(a._bound_deployment for a in pools)]}
+
+
+def test_the_built_deployments_take_their_resources_and_size_from_args():
+    config = config_from_args(ARGS)
+    built = built_deployments(config)
+    assert set(built) == set(deployment_pools(config)) == {"Router", "Prefill", "Decode"}
+    prefill = built["Prefill"]
+    assert prefill.ray_actor_options["num_gpus"] == 1
+    assert prefill.ray_actor_options["resources"] == {"prefill_pool": 1.0}
+    assert prefill.max_ongoing_requests == 64
+    assert prefill._deployment_config.autoscaling_config.max_replicas == 4
+    assert built["Decode"].num_replicas == 2
+    assert built["Router"].ray_actor_options["num_cpus"] == 2
+    for name, pool in deployment_pools(config).items():
+        options = deployment_options(name, getattr(config, pool))
+        assert built[name].ray_actor_options == options["ray_actor_options"]
+
+
+def test_entries_that_agree_with_args_or_set_only_serves_own_options_pass():
+    config = config_from_args(ARGS)
+    entries = [
+        {"name": "Router", "max_ongoing_requests": 512, "health_check_period_s": 10},
+        # Serve's defaults filled in: num_gpus 0 and no resources say the same as args.
+        {"name": "Decode", "num_replicas": 2, "ray_actor_options": {
+            "num_cpus": 8.0, "num_gpus": 1, "resources": {"decode_pool": 1}}},
+        {"name": "Prefill", "graceful_shutdown_timeout_s": 60},
+    ]  # fmt: skip
+    assert override_conflicts(config, entries) == []
+
+
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        (
+            {"name": "Prefill", "ray_actor_options": {"num_cpus": 8, "num_gpus": 0}},
+            ["deployments[Prefill].ray_actor_options", "args.prefill"],
+        ),
+        ({"name": "Decode", "max_ongoing_requests": 64}, ["deployments[Decode]", "128"]),
+        ({"name": "Prefill", "num_replicas": 2}, ["num_replicas is 2", "leave it out"]),
+        ({"name": "Decode", "autoscaling_config": {"max_replicas": 2}}, ["leave it out"]),
+        ({"name": "PrefillWorker"}, ["no deployment 'PrefillWorker'"]),
+        ({"name": "Colocated", "num_replicas": 1}, ["no deployment 'Colocated'"]),
+    ],
+)
+def test_an_entry_that_disagrees_with_args_is_named(entry, words):
+    (problem,) = override_conflicts(config_from_args(ARGS), [entry])
+    for word in words:
+        assert word in problem
+
+
+def test_without_a_model_path_the_builder_serves_the_embedded_model():
+    from cluster.model.make_model import default_model_dir
+
+    config = config_from_args({"model": {"dtype": "float32"}, "name": "x"})
+    assert config.model.path == str(default_model_dir()) and config.name == "x"
+    assert config_from_args(None).model.path == config.model.path

@@ -30,7 +30,7 @@ from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from prefill_worker.lease_keeper import LeaseKeeper
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 
 class ChannelGone(PdServeError):

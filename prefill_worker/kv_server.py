@@ -43,7 +43,7 @@ from prefill_worker.lease_keeper import LeaseKeeper
 from prefill_worker.nixl_kv_sender import NixlKVSender
 
 SERVICE = "pdserve.v1.KVTransfer"
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 
 class KVServer(KVTransferServicer):

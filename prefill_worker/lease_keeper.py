@@ -39,7 +39,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.errors import InvalidArgument, NotFound, Unauthenticated
 from cluster.kv_transfer.capability import Capability
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 RELEASE_REASONS = ("fetched", "cancelled", "aborted")
 

@@ -43,7 +43,7 @@ from cluster.kv_transfer.kv_server_stubs import rpc_error
 from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 # PushKV failures raised before the server queued a send: the channel is still in step.
 _REFUSALS = (

@@ -24,7 +24,7 @@ from cluster.kv_transfer.kv_server_stubs import KVServerStubs, rpc_error
 from cluster.kv_transfer.kv_wire import ChunkAssembler, unit_bytes
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 
 class GrpcKVClient(KVClient):

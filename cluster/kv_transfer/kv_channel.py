@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from cluster.errors import InvalidArgument, Unavailable
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 DIRECT_TRANSPORTS = ("gloo", "nccl")
 PREFILL_RANK, DECODE_RANK = 0, 1

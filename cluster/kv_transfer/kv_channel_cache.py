@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 from cluster.errors import InvalidArgument
 from cluster.kv_transfer.kv_channel import KVChannel
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 K = TypeVar("K", bound=Hashable)
 
 

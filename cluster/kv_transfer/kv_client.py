@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from cluster.kv_transfer.kv_handle import KVHandle
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 
 class KVClient(ABC):

@@ -39,7 +39,7 @@ from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.kv_transfer.nixl_pool import NixlPool, Peer, Region
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 
 class NixlKVClient(KVClient):

@@ -24,8 +24,11 @@ Not thread-safe: the owner calls one method at a time (the decode side from one 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import logging
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +49,24 @@ _LOCAL = "NIXL_INIT_AGENT"
 def load_nixl() -> Any:
     """NIXL's Python API (`nixl_cu12._api`); Unavailable if the package does not import."""
     try:
-        from nixl_cu12 import _api
+        with _handlers_kept_open():
+            from nixl_cu12 import _api
     except Exception as exc:  # ImportError, or a native library that fails to load
         raise Unavailable(f"NIXL is not usable here: {exc}") from None
     return _api
+
+
+@contextlib.contextmanager
+def _handlers_kept_open() -> Iterator[None]:
+    """On its first import NIXL sets up its "nixl" logger with `logging.config.dictConfig`,
+    which also closes every logging handler the process has: in a Serve replica, the one that
+    writes the replica's log file, which then stays silent. Hidden from it, they stay open."""
+    live = logging._handlerList[:]  # weak references to every handler made so far
+    del logging._handlerList[:]
+    try:
+        yield
+    finally:
+        logging._handlerList[:0] = live
 
 
 @dataclass

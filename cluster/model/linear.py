@@ -22,7 +22,7 @@ from torch import nn
 
 from cluster.model.native import load_extension
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 # Rows for which the packed GEMM beats at::linear: all 211 layers of the `small` preset, 2 threads
 # (python -m benchmarks.linear_bench; benchmarks/results/linear-2026-11-30.md):

@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 SOURCES = Path(__file__).parent / "csrc"
 

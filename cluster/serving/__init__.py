@@ -1,8 +1,9 @@
 """The serving plane: Ray Serve plumbing shared by the three roles. `app` builds the Serve
 application from an `AppConfig`; `replica` is the base of the engine replicas; `pool_messages`
 names what crosses between router and pools, `token_wire` packs token batches; `stats_registry`,
-`metrics` and `autoscaling` are what the pools report and scale on; `cpu_affinity` pins engine
-threads.
+`metrics` (and `vllm_metrics`, the same under vLLM's names) and `autoscaling` are what the pools
+report and scale on; `metered_engine` and `stats_line` make an engine replica's periodic stats
+line in its log; `cpu_affinity` pins engine threads.
 
 May import: the `cluster` root modules, `cluster.model`, `cluster.engine`, `cluster.kv_transfer`
 and `cluster.pb`.

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 
 from cluster.errors import InvalidArgument
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 MAX_CPU = 4095  # far above any node; a bound so a typo cannot build a huge set
 

@@ -2,12 +2,16 @@
 replica and application tags) to the Ray dashboard and Prometheus (`ray_` prefix there).
 
 Names follow the vocabulary LLM servers share; `pool` says which pool a value belongs to
-(router, prefill, decode, colocated). Latencies are histograms in seconds.
+(router, prefill, decode, colocated). Latencies are histograms in seconds. A `PoolMetrics`
+records each observation again under vLLM's names, labelled with the served model's name
+(vllm_metrics.py), for dashboards and alerts written for vLLM.
 """
 
 from __future__ import annotations
 
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+from cluster.serving.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -68,23 +72,29 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 
 class PoolMetrics:
-    """The metrics one replica records, all tagged with its pool. Create inside a replica."""
+    """The metrics one replica records, all tagged with its pool, and each also under the vLLM
+    names `vllm_metrics.MIRRORS` maps it to, labelled `model_name` (`served_model_name`; empty
+    when not given). Create inside a replica."""
 
-    def __init__(self, pool: str) -> None:
+    def __init__(self, pool: str, model_name: str = "") -> None:
         self.pool = pool
         self._m = {name: _make(name, *spec) for name, spec in METRICS.items()}
         for m in self._m.values():
             m.set_default_tags({"pool": pool})
+        self._vllm = VllmMetrics(model_name)
 
     def observe(self, name: str, value: float, **tags: str) -> None:
         self._m[name].observe(value, tags=tags or None)
+        self._vllm.mirror(name, value, tags)
 
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
         if value > 0:
             self._m[name].inc(value, tags=tags or None)
+        self._vllm.mirror(name, value, tags)
 
     def set(self, name: str, value: float) -> None:
         self._m[name].set(value)
+        self._vllm.mirror(name, value, {})
 
 
 def pool_metric(name: str, pool: str):

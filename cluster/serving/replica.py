@@ -1,5 +1,6 @@
 """What every engine replica shares: identity, torch threads, its engine thread, health, the
-stats it reports (for `GetStats`, the metrics and the autoscaler), and a clean shutdown."""
+stats it reports (for `GetStats`, the metrics, the autoscaler and its stats line in the log), and
+a clean shutdown."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ from dataclasses import replace
 import torch
 
 from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.engine import Engine
 from cluster.serving.app_config import AppConfig
 from cluster.serving.cpu_affinity import engine_cores, format_cpu_list, thread_cpus
+from cluster.serving.metered_engine import EngineTotals, MeteredEngine
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_messages import ReplicaStats
+from cluster.serving.stats_line import StatsLine
 from cluster.serving.stats_registry import registry
+from cluster.serving.vllm_metrics import served_model_name
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 # The engine's figures are sampled every SAMPLE_INTERVAL_S and pushed to the stats registry as
 # soon as they change, so `GetStats`, `pdserve status` and the autoscaling signals lag the
 # engine by at most about one sample (plus the engine step that sample waits for). Unchanged
@@ -59,12 +62,13 @@ class EngineReplica:
         # Made and started on the engine cores: the engine thread and torch's threads inherit
         # them; this (event loop) thread gets its own mask back.
         with engine_cores(pool_config.engine_cpus) as cores:
-            self.engine = AsyncEngine(Engine(config.engine_config(pool)))
+            self.engine = AsyncEngine(MeteredEngine(config.engine_config(pool)))
             self.engine.start()
         if cores:
             log.info("%s engine thread pinned to cores %s", pool, format_cpu_list(cores))
         self.layout = self.engine.layout
-        self.metrics = PoolMetrics(pool)
+        self.metrics = PoolMetrics(pool, served_model_name(config.model))
+        self.stats_line = StatsLine(pool, EngineTotals(time.monotonic()))
         self.registry = registry(config.name)
         self.last_stats: ReplicaStats | None = None  # the latest sample
         self._pushed: ReplicaStats | None = None  # the latest pushed to the registry
@@ -117,9 +121,20 @@ class EngineReplica:
             began = time.monotonic()
             try:
                 await self._report()
+                if self.stats_line.due(began):
+                    await self._log_stats()
             except Exception:  # reporting must never take the replica down
                 log.exception("stats report failed")
             await asyncio.sleep(max(0.0, began + SAMPLE_INTERVAL_S - time.monotonic()))
+
+    async def _log_stats(self) -> None:
+        """Write the stats line (stats_line.py) of the interval that just ended, if it is one
+        to write."""
+        totals = await self.engine.call(lambda e: e.totals())
+        if self.last_stats is not None:
+            line = self.stats_line.next(totals, self.last_stats)
+            if line is not None:
+                log.info(line)
 
     async def _report(self) -> None:
         """Sample the engine's figures; publish them (registry and gauges) when they differ

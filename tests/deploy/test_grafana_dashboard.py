@@ -39,6 +39,7 @@ def test_dashboard_is_valid_grafana_json():
             assert all(t["expr"] and t["refId"] for t in p["targets"])
     rows = [p["title"] for p in panels if p["type"] == "row"]
     assert any("Prefill" in r for r in rows) and any("Decode" in r for r in rows)
+    assert any("Colocated" in r for r in rows)
 
 
 def test_dashboard_queries_only_exported_metrics():
@@ -60,3 +61,16 @@ def test_dashboard_queries_only_exported_metrics():
         "ray_pdserve_kv_transfer_bytes_total",
     ):
         assert needed in used, needed
+
+
+def test_every_engine_pool_shows_its_replicas_load_latency_and_kv_usage():
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
+    for pool in ("prefill", "decode", "colocated"):
+        for metric in (
+            "ray_pdserve_replica_up",
+            "ray_pdserve_running_sequences" if pool != "prefill" else "ray_pdserve_queued_prompt",
+            "ray_pdserve_kv_cache_usage",
+            "ray_pdserve_queue_time_seconds" if pool != "decode" else "ray_pdserve_kv_transfer",
+        ):
+            assert re.search(rf'{metric}\w*{{[^}}]*pool="{pool}"', exprs), (pool, metric)

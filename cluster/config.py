@@ -12,12 +12,14 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import re
 import typing
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field, is_dataclass, replace
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
-from pydantic import ConfigDict, with_config
+from pydantic import BeforeValidator, ConfigDict, with_config
 from pydantic_core import core_schema
 
 from cluster.errors import InvalidArgument
@@ -28,8 +30,12 @@ if typing.TYPE_CHECKING:
 TransportName = Literal["auto", "grpc", "nixl", "gloo", "nccl"]
 TRANSPORTS = ("auto", "grpc", "nixl", "gloo", "nccl")
 # The weights' and KV cache's dtypes, named as torch names them (torch is imported when one is
-# used, so that reading a config does not load torch).
-_DTYPES = ("bfloat16", "float16", "float32")
+# used, so that reading a config does not load torch); "auto" is decided by `on_device`.
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# The scheduler's token budget per step when none is given: a GPU wants large prefill chunks
+# (vLLM's default for online serving), the CPU gets short steps so decodes are not held up.
+GPU_BATCHED_TOKENS = 8192
+CPU_BATCHED_TOKENS = 512
 # The dict form has JSON's types, exactly: an integer is never "1024" nor 2.5, a flag is true
 # or false (never "no"), a number may be written as an integer. No key is ignored.
 DICT_FORM = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -66,12 +72,43 @@ class NamedNumbers:
 Resources = Annotated[tuple[tuple[str, float], ...], NamedNumbers()]
 
 
+def byte_size(value: Any) -> int:
+    """Bytes from an int or a string such as "4GiB", "512MiB", "2G" or "1e9" (the dict form of
+    `CacheConfig.kv_cache_memory`, and its flag): K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of
+    1024."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE]\d+)?)\s*(?:([KMGT])(i?))?[bB]?\s*", str(value))
+    if isinstance(value, bool) or m is None:
+        raise ConfigError(f"expected a size in bytes such as 4GiB, got {value!r}")
+    power = "KMGT".index(m.group(2)) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+# In the dict form an integer of bytes or a string such as "4GiB".
+ByteSize = Annotated[int, BeforeValidator(byte_size, json_schema_input_type=int | str)]
+
+
+def default_served_name(path: str) -> str:
+    """The name clients call a model by when none is given: a hub id as given, a directory's
+    own name."""
+    local = Path(path).expanduser()
+    if path.startswith(("/", ".", "~")) or local.is_dir():
+        return local.name
+    return path.strip("/")
+
+
 @with_config(DICT_FORM)
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which checkpoint to load, and where it runs. `path` is a Hugging Face checkpoint dir."""
+    """Which checkpoint to load, and where it runs. `path` is a Hugging Face checkpoint
+    directory or a hub id (`org/name`, resolved by `cluster.model.hub`: the local cache first,
+    downloaded when online; `revision` a branch, tag or commit, "" = main). `served_name` is
+    what clients call the model (OpenAI `model`, metrics' `model_name`); "" = the hub id, or
+    the directory's name. `device`/`dtype` "auto" are decided by `on_device` (cuda + bfloat16
+    where torch sees a GPU, else cpu + float32) when the app is built."""
 
     path: str
+    served_name: str = ""
+    revision: str = ""
     dtype: str = "float32"
     device: str = "cpu"
     # A context longer than the checkpoint's max_position_embeddings is refused; 0 = use it.
@@ -86,21 +123,47 @@ class ModelConfig:
             raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len < 0:
             raise ConfigError("max_model_len must be >= 0")
+        if not self.served_name:
+            object.__setattr__(self, "served_name", default_served_name(self.path))
+
+    def on_device(self) -> ModelConfig:
+        """This config with `device` and `dtype` "auto" made concrete: cuda and bfloat16 where
+        torch sees a GPU, else cpu and float32 (an explicit device keeps its dtype rule)."""
+        if "auto" not in (self.device, self.dtype):
+            return self
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        return replace(self, device=device, dtype=dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.dtype)
+        return getattr(torch, self.on_device().dtype)
 
 
 @with_config(DICT_FORM)
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV pool: `num_blocks` blocks of `block_size` tokens each, in every layer."""
+    """The paged KV pool: `num_blocks` blocks of `block_size` tokens each, in every layer.
+
+    Without `num_blocks` the pool is sized when the engine is built, after its weights are
+    loaded (`cluster.engine.kv_cache.kv_pool_blocks`): `kv_cache_memory` bytes if given; else
+    on a GPU what `gpu_memory_utilization` of its memory leaves after everything in use (the
+    weights, other processes) and an activation reserve; else, on the CPU, `CPU_KV_BLOCKS`."""
 
     block_size: int = 16
-    num_blocks: int = 1024
+    num_blocks: int | None = None
+    # Fraction of the GPU's memory this engine may fill, weights and activations included.
+    gpu_memory_utilization: float = 0.9
+    # Bytes for the KV pool (the CPU's way of sizing it; on a GPU it overrides the fraction).
+    kv_cache_memory: ByteSize = 0
     # Keep the KV of finished prompts' full blocks, reclaimable, and reuse it for any later
     # prompt that starts with the same tokens (cluster/engine/block_manager.py).
     enable_prefix_caching: bool = True
@@ -108,8 +171,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks <= 0:
+        if self.num_blocks is not None and self.num_blocks <= 0:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        object.__setattr__(self, "kv_cache_memory", byte_size(self.kv_cache_memory))
 
 
 @with_config(DICT_FORM)
@@ -118,12 +184,24 @@ class SchedulerConfig:
     """How much work one engine step may take on."""
 
     max_num_seqs: int = 128  # running sequences at once
-    max_num_batched_tokens: int = 512  # token budget per step; longer prompts are chunked
+    # Token budget per step; longer prompts are chunked. None = by device (`for_device`).
+    max_num_batched_tokens: int | None = None
     max_waiting: int = 4096  # admission queue bound; beyond it requests are refused
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting <= 0:
+        tokens = self.max_num_batched_tokens
+        if self.max_num_seqs <= 0 or (tokens is not None and tokens <= 0) or self.max_waiting <= 0:
             raise ConfigError("scheduler limits must be positive")
+
+    def for_device(self, device: str) -> SchedulerConfig:
+        """The token budget filled in for `device` if none was given: `GPU_BATCHED_TOKENS` on
+        a GPU, `CPU_BATCHED_TOKENS` on the CPU."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        gpu = device.startswith("cuda")
+        return replace(
+            self, max_num_batched_tokens=GPU_BATCHED_TOKENS if gpu else CPU_BATCHED_TOKENS
+        )
 
 
 @with_config(DICT_FORM)
@@ -192,6 +270,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.default_max_tokens <= 0:
             raise ConfigError("default_max_tokens must be positive")
+
+    def resolved(self) -> EngineConfig:
+        """Device, dtype and the token budget made concrete (`ModelConfig.on_device`,
+        `SchedulerConfig.for_device`); the same config when they already are."""
+        model = self.model.on_device()
+        scheduler = self.scheduler.for_device(model.device)
+        if model is self.model and scheduler is self.scheduler:
+            return self
+        return replace(self, model=model, scheduler=scheduler)
 
 
 # -- the dict form ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ class DecodeWorker(EngineReplica):
         self.kv_client = make_kv_client(
             config.transfer,
             self.engine.device,
-            max_blocks=config.decode.cache.num_blocks,
+            max_blocks=self.engine.kv_pool.num_blocks,
             pool=self.engine.kv_pool,
         )
         self.tokens = TokenSender()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import threading
 from dataclasses import replace
@@ -12,6 +11,12 @@ from typing import Any
 
 import yaml
 
+from cluster.cli.engine_flags import (
+    add_engine_arguments,
+    check_model,
+    engine_pool_fields,
+    model_from_flags,
+)
 from cluster.errors import InvalidArgument
 from cluster.serving.app import (
     BUILDER_PATH,
@@ -25,12 +30,11 @@ from cluster.serving.app import (
 from cluster.serving.app_config import AppConfig
 from cluster.serving.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, AutoscalingSettings
 from cluster.serving.cpu_affinity import cpu_list_arg, format_cpu_list, reserve_for_engines
+from cluster.serving.placement import check_fits, local_cpus, wait_running
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="HF checkpoint dir (default: the embedded tiny model)"
-    )
+    add_engine_arguments(p)
     p.add_argument(
         "--mode",
         choices=["disaggregated", "colocated"],
@@ -58,8 +62,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="deploy a Serve config file, as `serve run FILE` does, instead of the flags that "
         "shape the app (default: the flags)",
     )
-    p.add_argument("--device", default="cpu", help="torch device; cuda gives each engine a GPU")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per engine replica")
     p.add_argument(
         "--torch-threads", type=int, default=0, help="torch threads per engine; 0 = torch's"
@@ -79,6 +81,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=True,
         help="send a prompt back to the replica whose prefix cache holds its start; "
         "--no-prefix-affinity: Serve's power of two choices",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for every replica to be placed and started; then pdserve serve ends, "
+        "naming each pool short of replicas and what the cluster has",
     )
     p.add_argument("--demo", action="store_true", help="send one request once it is up")
     p.add_argument("--exit", action="store_true", help="shut down after deploying (and --demo)")
@@ -126,50 +135,33 @@ def _add_autoscaling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    # A bad config ends the command here, before Ray starts.
-    config = None if args.config else _config_from_flags(args)
-    if args.config:
-        read_serve_file(Path(args.config))
-    # A fresh local instance gets at least 4 logical CPUs, so the three deployments fit on a
-    # small machine; a joined cluster keeps its own resources.
-    local_cpus = None if args.address else max(4, os.cpu_count() or 1)
-    engine_cpus = args.engine_cpus
-    if engine_cpus and not args.address:
-        # Before Ray starts: its processes inherit this mask, the engine threads leave it.
-        rest = reserve_for_engines(engine_cpus)
-        engines = (
-            f"cores {format_cpu_list(engine_cpus)} kept for engines (the config file's pools "
-            f"must name them in engine_cpus)"
-            if args.config
-            else f"engine threads on cores {format_cpu_list(engine_cpus)}"
-        )
-        print(f"{engines}; Ray, the proxies and the router on {format_cpu_list(rest)}")
-    elif engine_cpus:
-        print(
-            f"engine threads on cores {format_cpu_list(engine_cpus)}; the joined cluster's Ray "
-            "processes may still run there unless its nodes were started off them (taskset)"
-        )
+    # A bad config or model ends the command here, before Ray starts.
+    apps = _file_apps(Path(args.config)) if args.config else _flag_app(args)
+    configs = [c for c in apps.values() if c is not None]
+    for config in configs if args.config else ():
+        check_model(config.model, not args.address)
+    _reserve_engine_cores(args)
     if not args.address:  # a joined cluster's nodes get NODE_ENV_VARS from `ray start`
         apply_node_env()
     import ray
     from ray import serve
 
+    # A fresh local instance ("local": never one another process started) gets logical CPUs
+    # for every replica asked for; a joined cluster keeps its own resources.
     context = ray.init(
-        address=args.address,
-        num_cpus=local_cpus,
+        address=args.address or "local",
+        num_cpus=None if args.address else local_cpus(configs),
         include_dashboard=True,
         dashboard_host="127.0.0.1",
         ignore_reinit_error=True,
     )
-    if config is None:
-        grpc_port, http_port = _deploy_config_file(Path(args.config))
-    else:
-        serve.start(
-            http_options={"host": args.host, "port": args.http_port},
-            grpc_options={"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
-        )
-        serve.run(build_app(config), name=config.name, route_prefix="/")
-        grpc_port, http_port = args.grpc_port, args.http_port
+    try:
+        if not args.address:  # this Ray cannot grow: what does not fit never will
+            check_fits(configs, ray.cluster_resources())
+        grpc_port, http_port = _deploy(args, apps)
+    except BaseException:
+        serve.shutdown()
+        raise
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     dashboard = getattr(context, "dashboard_url", None) or "(dashboard not running)"
     print(f"pdserve is up.\n  gRPC   {host}:{grpc_port}  (pdserve.v1.Generation)")
@@ -189,10 +181,68 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy(args: argparse.Namespace, apps: dict[str, AppConfig | None]) -> tuple[int, int]:
+    """Deploy the config file or the flags' app; (gRPC, HTTP) ports once every app runs."""
+    from ray import serve
+
+    if args.config:
+        return _deploy_config_file(Path(args.config), args.startup_timeout)
+    (config,) = apps.values()
+    serve.start(
+        http_options={"host": args.host, "port": args.http_port},
+        grpc_options={"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+    )
+    target = serve.RunTarget(build_app(config), name=config.name, route_prefix="/")
+    serve.run_many(
+        [target], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False
+    )
+    wait_running(apps, args.startup_timeout)
+    return args.grpc_port, args.http_port
+
+
+def _flag_app(args: argparse.Namespace) -> dict[str, AppConfig | None]:
+    """The flags' app, its model checked (`check_model`) and a hub id pinned."""
+    config = _config_from_flags(args)
+    config = replace(config, model=check_model(config.model, not args.address))
+    return {config.name: config}
+
+
+def _file_apps(path: Path) -> dict[str, AppConfig | None]:
+    """A config file's applications, checked (`read_serve_file`): name -> its `AppConfig`,
+    None for one that is not pdserve's."""
+    raw = read_serve_file(path)
+    return {
+        app.get("name", "default"): config_from_args(app.get("args"))
+        if app.get("import_path") == BUILDER_PATH
+        else None
+        for app in raw.get("applications") or []
+        if isinstance(app, dict)
+    }
+
+
+def _reserve_engine_cores(args: argparse.Namespace) -> None:
+    engine_cpus = args.engine_cpus
+    if engine_cpus and not args.address:
+        # Before Ray starts: its processes inherit this mask, the engine threads leave it.
+        rest = reserve_for_engines(engine_cpus)
+        engines = (
+            f"cores {format_cpu_list(engine_cpus)} kept for engines (the config file's pools "
+            f"must name them in engine_cpus)"
+            if args.config
+            else f"engine threads on cores {format_cpu_list(engine_cpus)}"
+        )
+        print(f"{engines}; Ray, the proxies and the router on {format_cpu_list(rest)}")
+    elif engine_cpus:
+        print(
+            f"engine threads on cores {format_cpu_list(engine_cpus)}; the joined cluster's Ray "
+            "processes may still run there unless its nodes were started off them (taskset)"
+        )
+
+
 def _config_from_flags(args: argparse.Namespace) -> AppConfig:
     base = default_config(args.model)
-    model = replace(base.model, device=args.device, dtype=args.dtype)
-    gpus = 1.0 if args.device.startswith("cuda") else 0.0
+    model = model_from_flags(args, base.model)
+    gpus = 1.0 if model.on_device().device.startswith("cuda") else 0.0
     pool = {
         "num_cpus": args.replica_cpus,
         "num_gpus": gpus,
@@ -209,12 +259,14 @@ def _config_from_flags(args: argparse.Namespace) -> AppConfig:
             replicas=args.prefill_replicas,
             autoscaling=_autoscaling(args, "prefill", PREFILL_TARGETS),
             **pool,
+            **engine_pool_fields(args, base.prefill),
         ),
         decode=replace(
             base.decode,
             replicas=args.decode_replicas,
             autoscaling=_autoscaling(args, "decode", DECODE_TARGETS),
             **pool,
+            **engine_pool_fields(args, base.decode),
         ),
     )
 
@@ -250,14 +302,11 @@ def _deploy_config_file(path: Path, timeout_s: float = 1800.0) -> tuple[int, int
     `deployments:` overrides over what the code set. Ray has no public Python call for this
     last step. If Serve already runs, its proxies keep their options (Serve logs a warning).
     Like `serve deploy`, it deletes applications an earlier config file deployed that this one
-    no longer lists. Blocks until every application is RUNNING: on a cluster the autoscaler
-    may first have to start GPU nodes, hence the long timeout."""
-    import time
-
-    from ray import serve
+    no longer lists. Blocks until every application is RUNNING (`wait_running`): on a cluster
+    the autoscaler may first have to start GPU nodes, hence the long timeout."""
     from ray.serve._private.api import serve_start
     from ray.serve.config import gRPCOptions
-    from ray.serve.schema import ApplicationStatus, ServeDeploySchema
+    from ray.serve.schema import ServeDeploySchema
 
     raw = read_serve_file(path)
     config = ServeDeploySchema.model_validate(raw)
@@ -268,22 +317,9 @@ def _deploy_config_file(path: Path, timeout_s: float = 1800.0) -> tuple[int, int
         controller_options=config.controller_options,
     )
     client.deploy_apps(config)
-    names = [app.name for app in config.applications]
-    failed = (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        # Statuses change in the controller's loop: right after apply_config an app that is
-        # being replaced can still read RUNNING, so look only after a pause.
-        time.sleep(1.0)
-        apps = serve.status().applications
-        status = {n: apps[n].status if n in apps else ApplicationStatus.NOT_STARTED for n in names}
-        for name in names:
-            if status[name] in failed:
-                raise RuntimeError(f"{path}: application {name!r}: {apps[name].message}")
-        if all(s == ApplicationStatus.RUNNING for s in status.values()):
-            return config.grpc_options.port, config.http_options.port
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path}: not RUNNING after {timeout_s:.0f}s: {status}")
+    apps = {app.name: None for app in config.applications}
+    wait_running({**apps, **{k: v for k, v in _file_apps(path).items() if k in apps}}, timeout_s)
+    return config.grpc_options.port, config.http_options.port
 
 
 def read_serve_file(path: Path) -> dict[str, Any]:

@@ -19,11 +19,12 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.detokenizer import IncrementalDetokenizer
-from cluster.engine.kv_cache import KVCache, KVExport, KVLayout
+from cluster.engine.kv_cache import KVCache, KVExport, KVLayout, kv_pool_blocks
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from cluster.model.info import ArchSpec
 from cluster.model.loader import LoadedModel, load_model
 from cluster.request import FinishReason, Request, RequestOutput, StepOutput, TokenLogprobs
 
@@ -43,6 +44,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        config = config.resolved()  # device, dtype, token budget: "auto"/None made concrete
         self.config = config
         self.loaded = loaded or load_model(config.model)
         self.info = self.loaded.info
@@ -58,11 +60,12 @@ class Engine:
             head_dim=spec.head_dim,
             block_size=config.cache.block_size,
         )
-        self.kv_cache = KVCache(
-            self.layout, config.cache.num_blocks, config.model.torch_dtype, self.device
+        num_blocks = kv_pool_blocks(
+            config.cache, self.layout.block_bytes, self.device, _activation_bytes(spec, config)
         )
+        self.kv_cache = KVCache(self.layout, num_blocks, config.model.torch_dtype, self.device)
         self.blocks = BlockManager(
-            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.device)
@@ -305,3 +308,14 @@ def _check_resumed(request: Request, vocab: int, max_model_len: int) -> None:
             f"a generation resumed after {len(resumed)} tokens has no room left "
             f"(max_tokens {request.params.max_tokens}, context {max_model_len})"
         )
+
+
+def _activation_bytes(spec: ArchSpec, config: EngineConfig) -> int:
+    """An estimate of one step's peak activations, kept free of the KV pool on a GPU: per
+    batched token the residual, q/k/v/o and the MLP's gate/up/down in the model's dtype, twice
+    over for temporaries, plus fp32 logits for every sequence sampled."""
+    per_token = (
+        6 * spec.hidden_size + 3 * spec.intermediate_size
+    ) * config.model.torch_dtype.itemsize
+    tokens = config.scheduler.max_num_batched_tokens or 0
+    return 2 * tokens * per_token + config.scheduler.max_num_seqs * spec.vocab_size * 4

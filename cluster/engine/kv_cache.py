@@ -11,7 +11,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from cluster.errors import FailedPrecondition
+from cluster.config import CacheConfig
+from cluster.errors import FailedPrecondition, InvalidArgument
+
+# The pool of a CPU engine given neither `num_blocks` nor `kv_cache_memory`.
+CPU_KV_BLOCKS = 1024
+_GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,12 @@ class KVLayout:
     def block_shape(self) -> tuple[int, int, int]:
         return (self.block_size, self.num_kv_heads, self.head_dim)
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes in the pool: keys and values of every layer."""
+        itemsize = getattr(torch, self.dtype).itemsize
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
     def check_matches(self, other: KVLayout) -> None:
         if self != other:
             diff = {
@@ -49,6 +60,43 @@ class KVExport:
     num_tokens: int
     k: torch.Tensor
     v: torch.Tensor
+
+
+def kv_pool_blocks(
+    cache: CacheConfig,
+    block_bytes: int,
+    device: torch.device,
+    reserve_bytes: int,
+    memory: tuple[int, int] | None = None,
+) -> int:
+    """How many blocks the KV pool of an engine on `device` gets, its weights already loaded:
+    `cache.num_blocks` if given; else `kv_cache_memory` bytes' worth; else, on a GPU, what
+    `gpu_memory_utilization` of its memory leaves after everything in use now (the weights,
+    other processes) and `reserve_bytes` for activations; else `CPU_KV_BLOCKS`. `memory` is
+    the GPU's (free, total) bytes, `torch.cuda.mem_get_info` when None. Raises
+    InvalidArgument when that leaves no block."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if cache.kv_cache_memory:
+        budget, why = cache.kv_cache_memory, f"kv_cache_memory {cache.kv_cache_memory} bytes"
+    elif device.type == "cuda":
+        free, total = memory or torch.cuda.mem_get_info(device)
+        used, share = total - free, int(total * cache.gpu_memory_utilization)
+        budget = share - used - reserve_bytes
+        why = (
+            f"gpu_memory_utilization {cache.gpu_memory_utilization} of {total / _GiB:.1f} GiB "
+            f"= {share / _GiB:.1f} GiB, {used / _GiB:.1f} GiB in use (weights, other "
+            f"processes), {reserve_bytes / _GiB:.1f} GiB kept for activations"
+        )
+    else:
+        return CPU_KV_BLOCKS
+    blocks = budget // block_bytes
+    if blocks < 1:
+        raise InvalidArgument(
+            f"no room for a KV cache: {why} leaves {budget / _GiB:.2f} GiB, a block takes "
+            f"{block_bytes} bytes; raise gpu_memory_utilization / kv_cache_memory or set num_blocks"
+        )
+    return int(blocks)
 
 
 class KVCache:

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from cluster.config import ModelConfig
 from cluster.errors import InvalidArgument
+from cluster.model.hub import checkpoint_dir, is_hub_id
 from cluster.sampling_params import SamplingParams
 
 SUPPORTED_ARCHITECTURES = (
@@ -134,16 +135,19 @@ class ModelInfo:
 
 
 def describe_model(config: ModelConfig) -> ModelInfo:
-    path = Path(config.path)
+    """What `config`'s checkpoint is (a directory, or a hub id through `hub.checkpoint_dir`).
+    Raises InvalidArgument, one line, for anything that is not a supported checkpoint."""
+    path = checkpoint_dir(config)
     if not (path / "config.json").is_file():
         raise InvalidArgument(f"{path} is not a Hugging Face checkpoint (no config.json)")
     hf_config = AutoConfig.from_pretrained(path)
     spec = arch_spec(hf_config)
     limit = config.max_model_len or spec.max_position_embeddings
+    name = config.path if is_hub_id(config.path) else path.name
     return ModelInfo(
         spec=spec,
         tokenizer=_load_tokenizer(path),
-        model_id=f"{path.name}@{_digest(path, weight_files(path))}",
+        model_id=f"{name}@{_digest(path, weight_files(path))}",
         eos_token_ids=_eos_ids(hf_config, path),
         max_model_len=min(limit, spec.max_position_embeddings),
     )

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory into the shared decoder.
+"""Load a Hugging Face checkpoint (a directory or a hub id, `hub.checkpoint_dir`) into the
+shared decoder.
 
 What the checkpoint is (config, tokenizer, identity) comes from `info.describe_model`, which
 refuses anything that is not a supported architecture; the weights come from
@@ -17,12 +18,14 @@ from safetensors import safe_open
 from cluster.config import ModelConfig
 from cluster.errors import InvalidArgument
 from cluster.model.decoder import CausalLM
+from cluster.model.hub import checkpoint_dir
 from cluster.model.info import ArchSpec, ModelInfo, describe_model, weight_files
 from cluster.model.linear import pack_linears
 from cluster.model.rope import RotaryEmbedding
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
+    config = config.on_device()
     info = describe_model(config)
     spec = info.spec
     device = torch.device(config.device)
@@ -34,7 +37,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.rotary = rotary.to(device)
     if spec.tie_word_embeddings:  # to_empty gave lm_head its own storage; share it again
         model.lm_head.weight = model.model.embed_tokens.weight
-    _load_weights(model, weight_files(Path(config.path)), spec, device)
+    _load_weights(model, weight_files(checkpoint_dir(config)), spec, device)
     model = model.to(config.torch_dtype).eval()
     model.fuse_projections()
     if config.packed_weights:

@@ -3,7 +3,8 @@ application from an `AppConfig`; `replica` is the base of the engine replicas; `
 names what crosses between router and pools, `token_wire` packs token batches; `stats_registry`,
 `metrics` (and `vllm_metrics`, the same under vLLM's names) and `autoscaling` are what the pools
 report and scale on; `metered_engine` and `stats_line` make an engine replica's periodic stats
-line in its log; `cpu_affinity` pins engine threads.
+line in its log; `cpu_affinity` pins engine threads; `placement` sizes a local Ray for the
+replicas asked for and bounds the wait for them.
 
 May import: the `cluster` root modules, `cluster.model`, `cluster.engine`, `cluster.kv_transfer`
 and `cluster.pb`.

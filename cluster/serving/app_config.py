@@ -169,7 +169,8 @@ class AppConfig:
             raise ConfigError("max_retries and max_migrations must be >= 0")
         if self.router.engine_cpus:
             raise ConfigError("engine_cpus is for the engine pools; the router has no engine")
-        if self.transfer.transport == "nccl" and not self.model.device.startswith("cuda"):
+        device = self.model.device
+        if self.transfer.transport == "nccl" and not device.startswith(("cuda", "auto")):
             raise ConfigError("transport nccl moves KV between GPUs: it needs device cuda")
         if self.router.autoscaling is not None:
             engine_only = sorted({s for s, _ in self.router.autoscaling.targets} - {"requests"})
@@ -180,11 +181,24 @@ class AppConfig:
                 )
 
     def resolved(self) -> AppConfig:
-        """Fill what is derived at build time: the KV transport if "auto" (`auto_transport`),
-        the capability secret (one per application) and each pool's default autoscaling
-        signals."""
-        config = self
-        if self.transfer.transport == "auto":
+        """Fill what is derived at build time: the model's device and dtype if "auto" and a
+        hub id's revision (pinned to the commit it resolves to, `cluster.model.hub.pinned`),
+        each engine pool's token budget for that device, the KV transport if "auto"
+        (`auto_transport`), the capability secret (one per application) and each pool's
+        default autoscaling signals. Every replica receives this config, so it decides
+        nothing of these again."""
+        from cluster.model.hub import pinned
+
+        model = pinned(self.model.on_device())
+        config = replace(
+            self,
+            model=model,
+            prefill=replace(
+                self.prefill, scheduler=self.prefill.scheduler.for_device(model.device)
+            ),
+            decode=replace(self.decode, scheduler=self.decode.scheduler.for_device(model.device)),
+        )
+        if config.transfer.transport == "auto":
             transport = auto_transport(self.mode)
             config = replace(config, transfer=replace(config.transfer, transport=transport))
         if not config.transfer.secret:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -138,9 +137,9 @@ def ray_metric_name(vllm_name: str) -> str:
 
 
 def served_model_name(model: ModelConfig) -> str:
-    """The `model_name` label: the name clients call the model by, the checkpoint directory's
-    name (as the router's `ServedModel.name`)."""
-    return Path(model.path).name
+    """The `model_name` label: the name clients call the model by, `ModelConfig.served_name`
+    (as the router's `ServedModel.name`)."""
+    return model.served_name
 
 
 class VllmMetrics:

@@ -92,13 +92,13 @@ def test_serve_flag_turns_prefix_affinity_routing_off_for_the_prefilling_pools()
             for d in deployments
         }
 
-    on = routers(["--model", "unused"])
+    on = routers(["--model", "/unused"])
     assert on["Prefill"] == PREFIX_AFFINITY_ROUTER
     assert on["Decode"] != PREFIX_AFFINITY_ROUTER and on["Router"] != PREFIX_AFFINITY_ROUTER
     assert on["Decode"] == on["Router"]  # Serve's default
-    off = routers(["--model", "unused", "--no-prefix-affinity"])
+    off = routers(["--model", "/unused", "--no-prefix-affinity"])
     assert off["Prefill"] == off["Decode"] == on["Decode"]
-    colocated = routers(["--model", "unused", "--mode", "colocated"])
+    colocated = routers(["--model", "/unused", "--mode", "colocated"])
     assert colocated["Colocated"] == PREFIX_AFFINITY_ROUTER
 
 

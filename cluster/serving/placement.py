@@ -1,0 +1,154 @@
+"""Whether an app's deployments fit a Ray cluster, and a bounded wait until they run.
+
+Serve never gives up on a replica it cannot place: it logs that the replica "has taken more than
+30s to be scheduled" and waits, forever. `pdserve serve` instead sizes the local Ray it starts
+for the replicas asked for (`local_cpus`), refuses at once what that Ray cannot hold
+(`check_fits`: GPUs, custom resources) and waits a bounded time for every application to run
+(`wait_running`), ending with a message that names the pool, what one replica needs and what
+the cluster has.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cluster.errors import FailedPrecondition, ResourceExhausted
+from cluster.serving.app import deployment_pools
+from cluster.serving.app_config import AppConfig
+
+# A local Ray gets at least this many logical CPUs, so the three deployments fit a small
+# machine (Ray's CPUs are a count for placement, not a limit on threads).
+MIN_LOCAL_CPUS = 4
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one deployment asks of the cluster: `replicas` (its most, when autoscaling) of
+    `per_replica` Ray resources each."""
+
+    app: str
+    deployment: str
+    pool: str
+    replicas: int
+    per_replica: dict[str, float]
+
+    def describe(self) -> str:
+        each = _format(self.per_replica)
+        return f"pool {self.pool} (deployment {self.deployment}): {self.replicas} x {each}"
+
+
+def demands(config: AppConfig) -> list[Demand]:
+    """Each deployment's demand, in deployment order (router first)."""
+    out = []
+    for name, pool_name in deployment_pools(config).items():
+        pool = getattr(config, pool_name)
+        size = pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas
+        per = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **dict(pool.resources)}
+        per = {k: float(v) for k, v in per.items() if v}
+        out.append(Demand(config.name, name, pool_name, size, per))
+    return out
+
+
+def local_cpus(configs: list[AppConfig]) -> int:
+    """Logical CPUs for a local Ray that must hold every replica of `configs` at their largest:
+    the machine's cores, at least `MIN_LOCAL_CPUS`, more when the replicas ask for more (their
+    engine threads then share cores, as they would in fractional CPUs)."""
+    need = sum(d.replicas * d.per_replica.get("CPU", 0.0) for c in configs for d in demands(c))
+    return max(MIN_LOCAL_CPUS, os.cpu_count() or 1, math.ceil(need - 1e-9))
+
+
+def check_fits(configs: list[AppConfig], cluster: Mapping[str, float]) -> None:
+    """Refuse an app whose replicas together need more of a resource than `cluster`
+    (`ray.cluster_resources()`) holds, naming the pools that ask for it and what the cluster
+    has. For a Ray that cannot grow: a joined cluster's autoscaler may add nodes."""
+    all_demands = [d for c in configs for d in demands(c)]
+    total: dict[str, float] = {}
+    for d in all_demands:
+        for key, amount in d.per_replica.items():
+            total[key] = total.get(key, 0.0) + d.replicas * amount
+    for key, need in total.items():
+        if need > cluster.get(key, 0.0) + 1e-9:
+            askers = "; ".join(d.describe() for d in all_demands if key in d.per_replica)
+            raise ResourceExhausted(
+                f"{askers}: {need:g} {key} in all, the cluster has {_format(_known(cluster))}"
+            )
+
+
+def wait_running(
+    apps: Mapping[str, AppConfig | None], timeout_s: float, poll_s: float = 1.0
+) -> None:
+    """Wait until every application in `apps` (name -> its config, None for one that is not
+    pdserve's) is RUNNING. A failed deploy raises FailedPrecondition with each failed
+    deployment's last message line; one still not running after `timeout_s` raises
+    ResourceExhausted naming each deployment short of replicas, what one replica needs and
+    what the cluster has (and has free)."""
+    import ray
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    failed = (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # Statuses change in the controller's loop: right after a deploy an app that is being
+        # replaced can still read RUNNING, so look only after a pause.
+        time.sleep(poll_s)
+        statuses = serve.status().applications
+        for name in apps:
+            app = statuses.get(name)
+            if app is not None and app.status in failed:
+                raise FailedPrecondition(f"application {name!r} failed: {_failure(app)}")
+        if all(n in statuses and statuses[n].status == ApplicationStatus.RUNNING for n in apps):
+            return
+        if time.monotonic() > deadline:
+            short = _short(apps, statuses)
+            raise ResourceExhausted(
+                f"not running after {timeout_s:.0f}s: {'; '.join(short) or 'waiting for Serve'}; "
+                f"the cluster has {_format(_known(ray.cluster_resources()))} "
+                f"({_format(_known(ray.available_resources()))} free)"
+            )
+
+
+def _short(apps: Mapping[str, AppConfig | None], statuses) -> list[str]:
+    """One line per deployment not yet HEALTHY: its demand and its replicas running."""
+    from ray.serve.schema import DeploymentStatus
+
+    lines = []
+    for name, config in apps.items():
+        app = statuses.get(name)
+        deployments = app.deployments if app is not None else {}
+        by_name = {d.deployment: d for d in demands(config)} if config else {}
+        for dep, status in deployments.items():
+            if status.status == DeploymentStatus.HEALTHY:
+                continue
+            running = sum(
+                n for s, n in status.replica_states.items() if getattr(s, "value", s) == "RUNNING"
+            )
+            what = by_name[dep].describe() if dep in by_name else f"deployment {dep}"
+            lines.append(f"{what} asked, {running} running")
+    return lines
+
+
+def _failure(app) -> str:
+    """The last line of each failed deployment's message (where Serve puts the exception)."""
+    from ray.serve.schema import DeploymentStatus
+
+    lines = []
+    for dep, status in app.deployments.items():
+        if status.status in (DeploymentStatus.DEPLOY_FAILED, DeploymentStatus.UNHEALTHY):
+            last = [line for line in status.message.strip().splitlines() if line.strip()]
+            lines.append(f"{dep}: {last[-1].strip() if last else status.status}")
+    return "; ".join(lines) or app.message.strip().splitlines()[-1]
+
+
+def _known(resources: Mapping[str, float]) -> dict[str, float]:
+    """The resources a pool can ask for (Ray also counts memory, object store, node ids)."""
+    skip = ("memory", "object_store_memory")
+    return {k: v for k, v in resources.items() if k not in skip and not k.startswith("node:")}
+
+
+def _format(resources: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"

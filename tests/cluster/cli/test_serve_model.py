@@ -1,0 +1,87 @@
+"""`pdserve serve`'s model flags: a bad `--model` is one line before Ray starts; a hub id is
+resolved and pinned; the flags reach the model, KV pool and scheduler of both engine pools."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cluster.cli.main import main
+from cluster.cli.serve import _config_from_flags, _flag_app, add_serve_arguments
+from cluster.serving.vllm_metrics import served_model_name
+from tests.cluster.model.hub_cache import REPO_ID, make_hub_cache, use_hub_cache
+
+
+def flags(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_a_missing_model_dir_is_one_line_and_exit_2_before_ray(capsys):
+    import ray
+
+    assert main(["serve", "--model", "/nope"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error (INVALID_ARGUMENT): model /nope: no such directory\n"
+    assert not ray.is_initialized()
+
+
+def test_a_hub_id_missing_offline_is_one_line(tmp_path, monkeypatch, capsys):
+    use_hub_cache(monkeypatch, tmp_path / "hf", offline=True)
+    assert main(["serve", "--model", "pdserve-test/absent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "HF_HUB_OFFLINE" in err and "pdserve-test/absent" in err
+
+
+def test_a_directory_that_is_no_checkpoint_is_one_line(tmp_path, capsys):
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error (INVALID_ARGUMENT): model {tmp_path}: ") and "\n" not in err
+
+
+def test_a_cached_hub_id_is_checked_and_pinned_before_ray(tmp_path, monkeypatch):
+    use_hub_cache(monkeypatch, tmp_path / "hf", offline=True)
+    snapshot = make_hub_cache(tmp_path / "hf" / "hub")
+    (config,) = _flag_app(flags("--model", REPO_ID)).values()
+    assert (config.model.path, config.model.revision) == (REPO_ID, snapshot.name)
+    assert served_model_name(config.model) == REPO_ID
+
+
+def test_the_flags_reach_the_model_and_both_engine_pools(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = _config_from_flags(
+        flags(
+            "--model", "/models/m", "--served-model-name", "chat", "--revision", "v2",
+            "--max-model-len", "4096", "--max-num-seqs", "64", "--num-kv-blocks", "900",
+            "--gpu-memory-utilization", "0.8", "--kv-cache-memory", "2GiB",
+            "--max-num-batched-tokens", "2048",
+        )
+    )  # fmt: skip
+    model = config.model
+    assert (model.served_name, model.revision, model.max_model_len) == ("chat", "v2", 4096)
+    assert (model.device, model.dtype) == ("auto", "auto")  # decided by AppConfig.resolved
+    for pool in (config.prefill, config.decode):
+        assert pool.num_gpus == 1.0  # auto found a GPU: each engine replica takes one
+        assert (pool.cache.num_blocks, pool.cache.gpu_memory_utilization) == (900, 0.8)
+        assert pool.cache.kv_cache_memory == 2 << 30
+        assert (pool.scheduler.max_num_seqs, pool.scheduler.max_num_batched_tokens) == (64, 2048)
+
+
+def test_without_flags_the_pool_and_budget_are_sized_by_the_device(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = _config_from_flags(flags("--model", "/models/m"))
+    assert config.decode.num_gpus == 0.0 and config.decode.cache.num_blocks is None
+    assert config.decode.scheduler.max_num_batched_tokens is None
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1"])
+def test_a_bad_kv_cache_memory_flag_is_refused_by_the_parser(bad, capsys):
+    with pytest.raises(SystemExit):
+        flags("--kv-cache-memory", bad)
+    assert "size in bytes" in capsys.readouterr().err

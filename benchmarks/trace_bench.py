@@ -27,17 +27,17 @@ from dataclasses import dataclass, replace
 
 from benchmarks.grpc_calls import stub, used_blocks, wait_ready
 from benchmarks.options import served_parser
-from benchmarks.report import REPO, header, log, publish
+from benchmarks.report import header, log, publish
 from benchmarks.serve_session import deployed, kv_transport, measure_served, small_pool
 from cluster.client.bench_summary import PERCENTILES, BenchSummary
 from cluster.client.load_generator import RequestRecord, model_info, run_workload
-from cluster.client.workload import TraceScale, Workload, load_trace, trace_workload
+from cluster.client.workload import TRACES, TraceScale, Workload, load_trace, trace_workload
 from cluster.config import ModelConfig
 from cluster.serving.app_config import AppConfig
 
 APPS = {"disaggregated": "trace-pd", "colocated": "trace-co"}
-# Beside the checkout (`../shared/traces/`), where the project keeps its shared data.
-SHARED_TRACE = REPO.parent / "shared/traces/mooncake_synthetic_trace.jsonl"
+# The Mooncake trace shipped in the package (cluster/client/traces/, with its NOTICE).
+SHARED_TRACE = TRACES["mooncake"]
 
 
 @dataclass

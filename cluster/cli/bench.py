@@ -1,50 +1,77 @@
-"""`pdserve bench` (a load generator and its report) and `pdserve phases` (which phase
-dominates, predicted and measured), both against a running cluster over gRPC.
+"""`pdserve bench` (a workload's latencies and throughput) and `pdserve phases` (which phase
+dominates a workload, predicted and measured), both against a running server.
 
-    pdserve bench [--target HOST:9000] --trace FILE [--length-scale S] [--time-scale T] ...
+    pdserve bench [--target HOST:9000] --trace mooncake|FILE [--length-scale S] [--time-scale T]
     pdserve bench [--target HOST:9000] --num-requests N --input-len L --output-len M [--rate R]
+    pdserve bench --backend openai --base-url http://HOST:8000/v1 (the same workload options)
     pdserve phases [--target HOST:9000] (the same workload options)
 
 The workload is a Mooncake-format trace (`cluster.client.workload`) or synthetic random prompts.
-Every request is greedy with EOS ignored, so outputs have the workload's lengths.
+Every request is greedy with EOS ignored, so outputs have the workload's lengths. `bench` sends
+it over pdserve's gRPC API (`--backend pdserve`) or as streamed OpenAI completions to any
+OpenAI-compatible server (`cluster.client.openai_load`), so one workload measures both.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
-import os
-import platform
-import random
-from datetime import UTC, datetime
-from pathlib import Path
+import sys
 
-from cluster.client.bench_summary import PHASES, BenchSummary
-from cluster.client.load_generator import RequestRecord, model_info, run_workload
-from cluster.client.phase_model import PhaseModel, probe_workload
-from cluster.client.workload import (
-    TraceScale,
-    Workload,
-    load_trace,
-    synthetic_workload,
-    trace_workload,
+from cluster.cli.bench_run import (
+    OPENAI_VOCAB_SIZE,
+    emit,
+    header,
+    metadata,
+    replay,
+    setup,
+    write_text,
 )
+from cluster.client.bench_plots import missing_extra, write_plots
+from cluster.client.bench_result import bench_document, strict_json
+from cluster.client.bench_summary import PHASES, BenchSummary, Goodput
+from cluster.client.load_generator import run_workload
+from cluster.client.phase_model import PhaseModel, probe_workload
+from cluster.client.workload import TRACES, TraceScale, Workload, synthetic_workload
+
+BACKENDS = ("pdserve", "openai", "openai-chat")
 
 
 def add_arguments(p: argparse.ArgumentParser, slo: bool = True) -> None:
+    """The workload and output options of both verbs; with `slo` (bench) also the backend,
+    goodput, detailed-record and plot options."""
     p.add_argument("--target", default="127.0.0.1:9000", help="gRPC address of a cluster")
     p.add_argument(
         "--application",
         default=None,
         help="Serve application, when Serve runs several (default: the only one)",
     )
-    w = p.add_argument_group("workload: a trace, or synthetic random prompts")
+    _workload_arguments(p.add_argument_group("workload: a trace, or synthetic random prompts"))
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (default: unbounded)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    if slo:
+        _bench_arguments(p)
+    else:
+        p.set_defaults(backend="pdserve", vocab_size=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object, not Markdown")
+    p.add_argument(
+        "--out", default=None, help="also write the report to this file (default: stdout only)"
+    )
+
+
+def _workload_arguments(w) -> None:
     w.add_argument(
         "--trace",
         default=None,
-        help="Mooncake-format JSONL trace to replay (default: synthetic random prompts)",
+        help="Mooncake-format JSONL trace to replay (.gz read as gzip), or a shipped one by "
+        f"name: {', '.join(TRACES)} (default: synthetic random prompts)",
     )
     w.add_argument(
         "--max-requests",
@@ -84,64 +111,96 @@ def add_arguments(p: argparse.ArgumentParser, slo: bool = True) -> None:
         help="prompt tokens' seed (default: a new one per run, so that no prompt is in the "
         "prefix cache from an earlier run)",
     )
-    p.add_argument(
-        "--max-concurrency",
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    b = p.add_argument_group("backend: pdserve over gRPC, or any OpenAI-compatible server")
+    b.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="pdserve",
+        help="pdserve: gRPC to --target; openai / openai-chat: streamed /completions or "
+        "/chat/completions under --base-url",
+    )
+    b.add_argument(
+        "--base-url",
+        default=None,
+        help="OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (default: none; needed by the "
+        "openai backends)",
+    )
+    b.add_argument(
+        "--model",
+        default=None,
+        help="openai backends: the served model's id (default: the first of GET /models)",
+    )
+    b.add_argument(
+        "--api-key",
+        default=None,
+        help="openai backends: bearer token (default: $OPENAI_API_KEY, else none)",
+    )
+    b.add_argument(
+        "--vocab-size",
         type=int,
         default=None,
-        help="requests in flight at most (default: unbounded)",
+        help="draw prompt token ids below this (default: the model's over gRPC, "
+        f"{OPENAI_VOCAB_SIZE} for the openai backends)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    if slo:
-        p.add_argument(
-            "--slo-ttft-ms",
-            type=float,
-            default=None,
-            help="SLO on time to first token: report the requests within it (default: none)",
-        )
-        p.add_argument(
-            "--slo-tpot-ms",
-            type=float,
-            default=None,
-            help="SLO on time per output token: report the requests within it (default: none)",
-        )
-    p.add_argument("--json", action="store_true", help="print one JSON object, not Markdown")
-    p.add_argument(
-        "--out", default=None, help="also write the report to this file (default: stdout only)"
+    r = p.add_argument_group("results")
+    r.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs for request_goodput, as vllm bench serve: ttft:MS tpot:MS e2el:MS "
+        "(default: none)",
     )
-
-
-def workload_of(args: argparse.Namespace, info) -> Workload:
-    if args.trace is None:
-        return synthetic_workload(
-            args.num_requests,
-            args.input_len,
-            args.output_len,
-            info.vocab_size,
-            rate=args.rate,
-            seed=args.seed,
-        )
-    scale = TraceScale(args.length_scale, args.time_scale, args.output_scale)
-    entries = load_trace(args.trace, args.max_requests, args.skip)
-    return trace_workload(entries, scale, info.vocab_size, info.max_context_length, args.seed)
+    r.add_argument(
+        "--save-detailed",
+        default=None,
+        metavar="FILE",
+        help="write the JSON result with per-request columns (input/output lengths, TTFT, "
+        "ITLs, end to end, phase timings, errors) to FILE (default: none)",
+    )
+    r.add_argument(
+        "--plot",
+        default=None,
+        metavar="DIR",
+        help="write PNGs into DIR: TTFT and ITL CDFs, latency over time, phases per request, "
+        "replicas over time (needs the plot extra; default: none)",
+    )
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    info, workload = _setup(args)
-    records = _run(args, workload)
-    summary = BenchSummary.of(
-        records,
-        None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
-        None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
-    )
-    data, body = summary.to_json(), summary.render()
-    return _emit(args, info, workload, "pdserve bench", data, body, summary.completed)
+    """The exit status: 1 when no request of the workload completed."""
+    if args.plot and (hint := missing_extra()):
+        raise SystemExit(hint)
+    try:
+        goodput = Goodput.parse(args.goodput) if args.goodput else None
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    server, workload = setup(args)
+    detailed = bool(args.save_detailed or args.plot)
+    records, replicas = replay(args, server, workload, sample=detailed)
+    summary = BenchSummary.of(records, goodput)
+    meta = metadata(args, server, workload, _version(), goodput)
+    if args.save_detailed:
+        doc = bench_document(meta, summary, records, replicas)
+        write_text(args.save_detailed, strict_json(doc) + "\n")
+    if args.plot:
+        for path in write_plots(records, args.plot, replicas, f"pdserve bench ({args.backend})"):
+            print(f"wrote {path}", file=sys.stderr)
+    body = summary.render()
+    emit(args, header(args, server, meta), "pdserve bench", bench_document(meta, summary), body)
+    return 0 if summary.completed else 1
 
 
 def phases_main(args: argparse.Namespace) -> int:
-    info, workload = _setup(args)
+    server, workload = setup(args)
     longest = max(len(r.prompt_token_ids) for r in workload.requests)
-    probes = probe_workload(info.max_context_length, info.vocab_size, longest, seed=args.seed + 7)
-    _warm_up(args, info)
+    probes = probe_workload(
+        server.max_context_length, server.vocab_size, longest, seed=args.seed + 7
+    )
+    _warm_up(args, server.vocab_size)
     probed = asyncio.run(
         run_workload(
             args.target, probes, args.application, max_concurrency=1, timeout_s=args.timeout
@@ -151,9 +210,12 @@ def phases_main(args: argparse.Namespace) -> int:
         model = PhaseModel.fit(probed)
     except ValueError as e:
         raise SystemExit(f"phases: {e}") from None
-    summary = BenchSummary.of(_run(args, workload))
+    records, _ = replay(args, server, workload)
+    summary = BenchSummary.of(records)
     predicted = model.predict_mean(workload)
+    meta = metadata(args, server, workload, _version())
     data = {
+        **meta.to_json(),
         "model": {
             "prefill_s_coeffs": list(model.prefill.coeffs),
             "kv_transfer_s_coeffs": list(model.kv_transfer.coeffs),
@@ -163,10 +225,11 @@ def phases_main(args: argparse.Namespace) -> int:
         },
         "predicted_mean_s": predicted,
         "predicted_dominant_phase": max(predicted, key=lambda k: predicted[k]),
-        "measured": summary.to_json(),
+        "measured": summary.metrics(),
     }
     body = render_phases(model, predicted, summary, workload)
-    return _emit(args, info, workload, "pdserve phases", data, body, summary.completed)
+    emit(args, header(args, server, meta), "pdserve phases", data, body)
+    return 0 if summary.completed else 1
 
 
 def render_phases(
@@ -206,71 +269,13 @@ def render_phases(
     return lines
 
 
-def _setup(args: argparse.Namespace):
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise SystemExit("--max-concurrency must be >= 1")
-    if not args.timeout > 0:
-        raise SystemExit("--timeout must be > 0")
-    if args.seed is None:
-        args.seed = random.randrange(2**31)
-    try:
-        info = asyncio.run(model_info(args.target, args.application))
-    except Exception as e:  # grpc.aio.AioRpcError, or a bad target
-        raise SystemExit(f"cannot reach a pdserve cluster at {args.target}: {e}") from None
-    try:
-        return info, workload_of(args, info)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"workload: {e}") from None
-
-
-def _run(args: argparse.Namespace, workload: Workload) -> list[RequestRecord]:
-    return asyncio.run(
-        run_workload(
-            args.target,
-            workload,
-            args.application,
-            max_concurrency=args.max_concurrency,
-            timeout_s=args.timeout,
-        )
-    )
-
-
-def _warm_up(args: argparse.Namespace, info) -> None:
+def _warm_up(args: argparse.Namespace, vocab_size: int) -> None:
     """One request first, so the probes do not carry the replicas' first-call costs."""
-    warm = synthetic_workload(1, 16, 4, info.vocab_size, seed=args.seed + 99)
+    warm = synthetic_workload(1, 16, 4, vocab_size, seed=args.seed + 99)
     asyncio.run(run_workload(args.target, warm, args.application, timeout_s=args.timeout))
 
 
-def _header(args: argparse.Namespace, info, workload: Workload) -> list[str]:
-    app = f", application {args.application}" if args.application else ""
-    return [
-        f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}; client machine: "
-        f"{os.cpu_count()} CPUs, {platform.platform()}",
-        f"- target: {args.target}{app}; model {info.model_id} ({info.dtype}, context "
-        f"{info.max_context_length}, KV block {info.block_size})",
-        f"- workload: {workload.description}; seed {args.seed}"
-        + (f"; at most {args.max_concurrency} in flight" if args.max_concurrency else "")
-        + (f"; {sum(r.clipped for r in workload.requests)} prompts cut to fit the context"
-           if any(r.clipped for r in workload.requests) else ""),
-        "",
-    ]  # fmt: skip
+def _version() -> str:
+    from cluster.cli.main import package_version  # main imports this module
 
-
-def _emit(
-    args, info, workload: Workload, title: str, data: dict, body: list[str], completed: int
-) -> int:
-    """Print (and with --out write) the report: one JSON object with --json, else Markdown.
-    The exit status: 1 when no request of the workload completed."""
-    if args.json:
-        report = json.dumps({"workload": workload.description, **data})
-    else:
-        report = "\n".join([f"# {title}", "", *_header(args, info, workload), *body])
-    _publish(report, args.out)
-    return 0 if completed else 1
-
-
-def _publish(report: str, out: str | None) -> None:
-    print(report)
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(report + "\n", "utf-8")
+    return package_version()

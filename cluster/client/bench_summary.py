@@ -1,7 +1,8 @@
 """What a `pdserve bench` run measured: throughput, latency distributions as the client saw
-them, the server's phase account of where each request's time went, prefix-cache reuse and
-how the requests spread over the replicas. Built from the load generator's records; renders
-as a Markdown report or a JSON object.
+them, goodput under SLOs, the server's phase account of where each request's time went (when
+the server gave one), prefix-cache reuse and how the requests spread over the replicas. Built
+from the load generator's records; renders as Markdown lines or, with `vllm bench serve`'s
+names, as the metrics of `bench_result`'s JSON document.
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ def percentile(xs: list[float], p: float) -> float:
 
 @dataclass(frozen=True)
 class Distribution:
-    """Mean and percentiles of one latency, in seconds, over `n` samples."""
+    """Mean, population standard deviation (numpy's and vLLM's) and percentiles of one
+    latency, in seconds, over `n` samples; nan where there are none."""
 
     n: int
     mean: float
     pct: dict[int, float]
+    std: float = math.nan
 
     @staticmethod
     def of(xs: list[float]) -> Distribution:
@@ -62,7 +65,55 @@ class Distribution:
             len(xs),
             statistics.fmean(xs) if xs else math.nan,
             {p: percentile(xs, p) for p in PERCENTILES},
+            statistics.pstdev(xs) if xs else math.nan,
         )
+
+    def vllm_ms(self, metric: str) -> dict[str, float]:
+        """`vllm bench serve`'s keys for this metric: `mean_ttft_ms`, `median_ttft_ms`,
+        `std_ttft_ms`, `p99_ttft_ms`, ..."""
+        return {
+            f"mean_{metric}_ms": self.mean * 1e3,
+            f"median_{metric}_ms": self.pct[50] * 1e3,
+            f"std_{metric}_ms": self.std * 1e3,
+            **{f"p{p}_{metric}_ms": v * 1e3 for p, v in self.pct.items()},
+        }
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """SLOs a request must meet, all given ones at once, to count towards goodput (`vllm
+    bench serve --goodput ttft:500 tpot:50 e2el:2000`, milliseconds); None: no bound."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @staticmethod
+    def parse(specs: list[str]) -> Goodput:
+        """From `KEY:MS` pairs; raises ValueError naming a bad one."""
+        bounds: dict[str, float] = {}
+        for spec in specs:
+            key, _, value = spec.partition(":")
+            if key not in ("ttft", "tpot", "e2el"):
+                raise ValueError(f"goodput {spec!r}: the key must be ttft, tpot or e2el")
+            try:
+                bounds[f"{key}_ms"] = float(value)
+            except ValueError:
+                raise ValueError(f"goodput {spec!r}: expected KEY:MILLISECONDS") from None
+            if not (math.isfinite(bounds[f"{key}_ms"]) and bounds[f"{key}_ms"] > 0):
+                raise ValueError(f"goodput {spec!r}: milliseconds must be > 0")
+        return Goodput(**bounds)
+
+    def meets(self, r: RequestRecord) -> bool:
+        tpot = r.tpot_s
+        return (
+            (self.ttft_ms is None or r.ttft_s * 1e3 <= self.ttft_ms)
+            and (self.tpot_ms is None or tpot is None or tpot * 1e3 <= self.tpot_ms)
+            and (self.e2el_ms is None or r.e2e_s * 1e3 <= self.e2el_ms)
+        )
+
+    def to_json(self) -> dict[str, float]:
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 def phase_seconds(r: RequestRecord) -> dict[str, float]:
@@ -96,27 +147,22 @@ class BenchSummary:
     tpot: Distribution
     itl: Distribution
     e2e: Distribution
-    phase_mean_s: dict[str, float]
+    phase_mean_s: dict[str, float]  # nan where no request carried the server's timing
     prefill_replicas: dict[str, int]
     decode_replicas: dict[str, int]
-    slo_met: int | None = None
+    slo_met: int | None = None  # requests that met every SLO of `goodput`
+    max_concurrent: int = 0  # requests in flight at once, at most
 
     @staticmethod
-    def of(
-        records: list[RequestRecord],
-        slo_ttft_s: float | None = None,
-        slo_tpot_s: float | None = None,
-    ) -> BenchSummary:
+    def of(records: list[RequestRecord], goodput: Goodput | None = None) -> BenchSummary:
         done = [r for r in records if r.ok]
         if done:
             began = min(r.sent_s for r in records)
             duration = max(r.token_times[-1] for r in done) - began
         else:
             duration = math.nan
-        phases = [phase_seconds(r) for r in done]
-        slo_met = None
-        if slo_ttft_s is not None or slo_tpot_s is not None:
-            slo_met = sum(_meets(r, slo_ttft_s, slo_tpot_s) for r in done)
+        phases = [phase_seconds(r) for r in done if r.timing is not None]
+        slo_met = None if goodput is None else sum(goodput.meets(r) for r in done)
         return BenchSummary(
             requests=len(records),
             completed=len(done),
@@ -136,6 +182,7 @@ class BenchSummary:
             prefill_replicas=dict(Counter(r.timing.prefill_replica for r in done if r.timing)),
             decode_replicas=dict(Counter(r.timing.decode_replica for r in done if r.timing)),
             slo_met=slo_met,
+            max_concurrent=_max_concurrent(done),
         )
 
     @property
@@ -154,29 +201,39 @@ class BenchSummary:
         total = sum(self.phase_mean_s.values())
         return self.phase_mean_s[phase] / total if total else math.nan
 
-    def to_json(self) -> dict:
-        dist = {
-            name: {"n": d.n, "mean_s": d.mean, **{f"p{p}_s": v for p, v in d.pct.items()}}
-            for name, d in (("ttft", self.ttft), ("tpot", self.tpot), ("itl", self.itl),
-                            ("e2e", self.e2e))
-        }  # fmt: skip
+    @property
+    def has_phases(self) -> bool:
+        return not math.isnan(sum(self.phase_mean_s.values()))
+
+    def metrics(self) -> dict:
+        """The run's figures: `vllm bench serve`'s keys (`completed`, `request_throughput`,
+        `mean_ttft_ms`, `p99_itl_ms`, `request_goodput`, ...), then pdserve's own. Floats may
+        be nan; `bench_result.strict_json` writes those as null."""
+        goodput = None if self.slo_met is None else self.slo_met / self.duration_s
         return {
-            "requests": self.requests,
+            "duration": self.duration_s,
             "completed": self.completed,
-            "failures": self.failures,
-            "duration_s": self.duration_s,
+            "failed": self.requests - self.completed,
+            "total_input_tokens": self.prompt_tokens,
+            "total_output_tokens": self.output_tokens,
             "request_throughput": self.request_throughput,
-            "output_token_throughput": self.output_throughput,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
+            "request_goodput": goodput,
+            "output_throughput": self.output_throughput,
+            "total_token_throughput": (self.prompt_tokens + self.output_tokens) / self.duration_s,
+            "max_concurrent_requests": self.max_concurrent,
+            **self.ttft.vllm_ms("ttft"),
+            **self.tpot.vllm_ms("tpot"),
+            **self.itl.vllm_ms("itl"),
+            **self.e2e.vllm_ms("e2el"),
+            "num_prompts": self.requests,
+            "failures": self.failures,
+            "slo_met": self.slo_met,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "reusable_prompt_tokens": self.reusable_tokens,
-            **dist,
             "phases_mean_s": self.phase_mean_s,
-            "dominant_phase": self.dominant_phase,
+            "dominant_phase": self.dominant_phase if self.has_phases else None,
             "prefill_replicas": self.prefill_replicas,
             "decode_replicas": self.decode_replicas,
-            "slo_met": self.slo_met,
         }
 
     def render(self) -> list[str]:
@@ -192,14 +249,15 @@ class BenchSummary:
             f"prefix cache, {_share(self.cached_prompt_tokens, self.prompt_tokens)}; an "
             f"unbounded cache could have served {self.reusable_tokens}, "
             f"{_share(self.reusable_tokens, self.prompt_tokens)}), {self.output_tokens} output",
-            "- requests per replica: prefill "
-            + _spread(self.prefill_replicas)
-            + "; decode "
-            + _spread(self.decode_replicas),
         ]
+        if self.has_phases:
+            lines.append(
+                f"- requests per replica: prefill {_spread(self.prefill_replicas)}; "
+                f"decode {_spread(self.decode_replicas)}"
+            )
         if self.slo_met is not None:
             lines.append(
-                f"- within the SLO: {self.slo_met} of {self.requests} requests "
+                f"- within the SLOs: {self.slo_met} of {self.requests} requests "
                 f"({_share(self.slo_met, self.requests)}), "
                 f"goodput {self.slo_met / self.duration_s:.2f} requests/s"
             )
@@ -213,7 +271,10 @@ class BenchSummary:
         ):
             cells = " | ".join(f"{d.pct[p] * 1e3:.1f}" for p in PERCENTILES)
             lines.append(f"| {name} | {d.mean * 1e3:.1f} | {cells} |")
-        lines += [
+        return lines + self._render_phases() if self.has_phases else lines
+
+    def _render_phases(self) -> list[str]:
+        lines = [
             "",
             "| phase (mean per request) | ms | share of end to end |",
             "|---|---|---|",
@@ -228,10 +289,14 @@ class BenchSummary:
         return lines
 
 
-def _meets(r: RequestRecord, ttft: float | None, tpot: float | None) -> bool:
-    if ttft is not None and r.ttft_s > ttft:
-        return False
-    return tpot is None or r.tpot_s is None or r.tpot_s <= tpot
+def _max_concurrent(done: list[RequestRecord]) -> int:
+    """The most completed requests in flight at once (sent, last token not yet arrived)."""
+    events = sorted([(r.sent_s, 1) for r in done] + [(r.token_times[-1], -1) for r in done])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def _share(part: float, whole: float) -> str:

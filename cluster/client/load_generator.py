@@ -1,7 +1,8 @@
-"""Sends a `Workload` to a running pdserve over the public gRPC API, each request at its
-arrival time (open loop: a slow server does not slow the arrivals, only `max_concurrency`
-does), and records what each stream did: when every token arrived, and the final message's
-usage, phase timings and replicas.
+"""Sends a `Workload` to a running pdserve over the public gRPC API (or, through
+`openai_load`, to any OpenAI-compatible server), each request at its arrival time (open loop:
+a slow server does not slow the arrivals, only `max_concurrency` does), and records what each
+stream did: when every token arrived, and the final message's usage, phase timings and
+replicas. `sample_replicas` reads the pools' sizes while it runs.
 
 Used by `pdserve bench` and `pdserve phases`; the clock is `time.perf_counter`, relative to
 the start of the run.
@@ -13,11 +14,14 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import grpc
 
 from cluster.client.generation_client import FINISH_REASONS, app_metadata
+from cluster.client.progress import Progress
 from cluster.client.workload import Workload, WorkloadRequest
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -25,7 +29,13 @@ from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 @dataclass(frozen=True)
 class PhaseTiming:
-    """The server's account of one request (`GenerateResponse.timing`), in seconds."""
+    """The server's account of one request (`GenerateResponse.timing`, or `pdserve_timing` on
+    an OpenAI stream's last chunk), in seconds."""
+
+    # The seconds fields, as the wire names them without their `_seconds` suffix.
+    SECONDS: ClassVar = (
+        "queue", "prefill", "kv_transfer", "time_to_first_token", "decode", "total"
+    )  # fmt: skip
 
     queue: float
     prefill: float
@@ -68,6 +78,9 @@ class RequestRecord:
     cached_prompt_tokens: int = 0
     reusable_tokens: int = 0
     timing: PhaseTiming | None = None
+    # The server's count of output tokens where a stream's chunks are not one token each
+    # (OpenAI SSE: `usage.completion_tokens`); None: one entry of `token_times` per token.
+    usage_output_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -75,6 +88,8 @@ class RequestRecord:
 
     @property
     def output_tokens(self) -> int:
+        if self.usage_output_tokens is not None:
+            return self.usage_output_tokens
         return len(self.token_times)
 
     @property
@@ -88,13 +103,51 @@ class RequestRecord:
     @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first; None for a one-token answer."""
-        n = len(self.token_times)
+        n = self.output_tokens
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
 
     @property
     def itl_s(self) -> list[float]:
+        """Gaps between the stream's token arrivals (between chunks, for OpenAI SSE)."""
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+Send = Callable[[WorkloadRequest, "RequestRecord", float], Awaitable[None]]
+
+
+async def replay(
+    workload: Workload,
+    send: Send,
+    max_concurrency: int | None = None,
+    progress: Progress | None = None,
+) -> list[RequestRecord]:
+    """Call `send(request, record, start)` for every request of `workload` at its arrival time
+    (at most `max_concurrency` at once) and return the records in workload order. `send`
+    fills the record (token times from `start`, status, usage) and never raises for a failed
+    request; `progress` is told as each request goes out and ends."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    start = time.perf_counter()
+
+    async def one(i: int, req: WorkloadRequest) -> RequestRecord:
+        rec = RequestRecord(
+            i, req.arrival_s, len(req.prompt_token_ids), req.max_tokens,
+            reusable_tokens=req.reusable_tokens,
+        )  # fmt: skip
+        await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+        async with limit:
+            if progress:
+                progress.sent()
+            await send(req, rec, start)
+            if progress:
+                progress.done(rec.ok)
+        return rec
+
+    try:
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(workload.requests))))
+    finally:
+        if progress:
+            progress.close()
 
 
 async def run_workload(
@@ -104,30 +157,20 @@ async def run_workload(
     max_concurrency: int | None = None,
     timeout_s: float = 600.0,
     ignore_eos: bool = True,
+    progress: Progress | None = None,
 ) -> list[RequestRecord]:
-    """Send every request of `workload` (greedy, `max_tokens` each, EOS ignored unless told
-    otherwise so outputs have the workload's lengths) and return their records in workload
-    order. A request that fails is recorded with its status code; the run goes on."""
+    """Send every request of `workload` over gRPC (greedy, `max_tokens` each, EOS ignored
+    unless told otherwise so outputs have the workload's lengths) and return their records
+    in workload order. A request that fails is recorded with its status code; the run goes
+    on."""
     metadata = app_metadata(application)
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        start = time.perf_counter()
 
-        async def one(i: int, req: WorkloadRequest) -> RequestRecord:
-            rec = RequestRecord(
-                i,
-                req.arrival_s,
-                len(req.prompt_token_ids),
-                req.max_tokens,
-                reusable_tokens=req.reusable_tokens,
-            )
-            await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-            async with limit:
-                await _stream(stub, req, rec, start, metadata, timeout_s, ignore_eos)
-            return rec
+        async def send(req: WorkloadRequest, rec: RequestRecord, start: float) -> None:
+            await _stream(stub, req, rec, start, metadata, timeout_s, ignore_eos)
 
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(workload.requests))))
+        return await replay(workload, send, max_concurrency, progress)
 
 
 async def _stream(stub, req, rec: RequestRecord, start, metadata, timeout_s, ignore_eos) -> None:
@@ -158,3 +201,35 @@ async def model_info(target: str, application: str | None = None) -> pb.ModelInf
         return await pb_grpc.GenerationStub(channel).GetModelInfo(
             pb.GetModelInfoRequest(), metadata=metadata, timeout=30
         )
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    """Each pool's running replicas (`GetStats`) `t_s` seconds after sampling began."""
+
+    t_s: float
+    replicas: dict[str, int]
+
+
+async def sample_replicas(
+    target: str,
+    application: str | None,
+    samples: list[ReplicaSample],
+    interval_s: float = 1.0,
+) -> None:
+    """Append a `ReplicaSample` to `samples` every `interval_s` until cancelled. A failed read
+    is skipped: the pools' sizes are a side view of the run, never a reason to stop it."""
+    metadata = app_metadata(application)
+    start = time.perf_counter()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        while True:
+            try:
+                stats = await stub.GetStats(
+                    pb.GetStatsRequest(), metadata=metadata, timeout=interval_s * 5
+                )
+                replicas = {p.pool: p.current_replicas for p in stats.pools}
+                samples.append(ReplicaSample(time.perf_counter() - start, replicas))
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(interval_s)

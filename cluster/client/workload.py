@@ -17,6 +17,7 @@ the low ids where pdserve's generated tokenizers keep their special tokens.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -26,6 +27,8 @@ from pathlib import Path
 
 TRACE_BLOCK_TOKENS = 512  # tokens behind one `hash_ids` entry in a Mooncake trace
 FIRST_TOKEN = 16
+# Traces shipped with pdserve, by name (`--trace mooncake`); see traces/NOTICE.md.
+TRACES = {"mooncake": Path(__file__).parent / "traces" / "mooncake_synthetic_trace.jsonl.gz"}
 
 
 @dataclass(frozen=True)
@@ -86,11 +89,19 @@ class Workload:
         return sum(r.reusable_tokens for r in self.requests)
 
 
+def trace_path(name_or_path: str | Path) -> Path:
+    """A shipped trace's file (`TRACES`), or the path as given."""
+    return TRACES.get(str(name_or_path), Path(name_or_path))
+
+
 def load_trace(path: str | Path, limit: int | None = None, skip: int = 0) -> list[TraceEntry]:
-    """`limit` entries (all when None) of a Mooncake-format JSONL trace, after its first
-    `skip`. Every field is checked: a bad line raises ValueError naming the line."""
+    """`limit` entries (all when None) of a Mooncake-format JSONL trace (gzipped when its name
+    ends in .gz; a name of `TRACES` for a shipped one), after its first `skip`. Every field is
+    checked: a bad line raises ValueError naming the line."""
     entries: list[TraceEntry] = []
-    with open(path, encoding="utf-8") as f:
+    path = trace_path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         lines = (line for line in enumerate(f, 1) if line[1].strip())
         for k, (lineno, line) in enumerate(lines):
             if limit is not None and len(entries) >= limit:

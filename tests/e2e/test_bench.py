@@ -17,29 +17,68 @@ from tests.ray_fixtures import wait_for_idle
 from tests.traces import SHARED_PREFIX_TRACE, write_trace
 
 
+def refuse(constant: str):
+    raise ValueError(f"not strict JSON: {constant}")
+
+
 def run_cli(capsys, *args: str) -> dict:
     assert main(list(args)) == 0
-    return json.loads(capsys.readouterr().out)
+    return json.loads(capsys.readouterr().out, parse_constant=refuse)
 
 
 def test_bench_replays_a_trace_with_its_shared_prefixes(apps, tmp_path, capsys):
     trace = write_trace(tmp_path / "trace.jsonl", SHARED_PREFIX_TRACE)
+    detailed, plots = tmp_path / "run.json", tmp_path / "plots"
     out = run_cli(
         capsys, "bench", "--target", apps.grpc_target, "--application", PD,
         "--trace", str(trace), "--length-scale", str(1 / 32), "--json",
+        "--save-detailed", str(detailed), "--plot", str(plots),
     )  # fmt: skip
-    assert out["completed"] == out["requests"] == 6 and out["failures"] == {}
-    assert out["output_tokens"] == sum(m for _, _, m, _ in SHARED_PREFIX_TRACE)
-    assert out["prompt_tokens"] == 48 + 48 + 32 + 61 + 32 + 16
+    assert out["completed"] == out["num_prompts"] == 6 and out["failures"] == {}
+    assert out["total_output_tokens"] == sum(m for _, _, m, _ in SHARED_PREFIX_TRACE)
+    assert out["total_input_tokens"] == 48 + 48 + 32 + 61 + 32 + 16
     # Requests 2 and 4 could reuse 32 tokens, request 5 16; prefix-affinity routing sends
     # each back to the replica that cached them.
     assert out["reusable_prompt_tokens"] == 32 + 32 + 16
     assert out["cached_prompt_tokens"] == out["reusable_prompt_tokens"]
-    assert out["ttft"]["n"] == 6 and out["tpot"]["n"] == 5  # the 1-token answer has no TPOT
-    assert out["itl"]["n"] == sum(m - 1 for _, _, m, _ in SHARED_PREFIX_TRACE)
-    assert sum(out["phases_mean_s"].values()) == pytest.approx(out["e2e"]["mean_s"])
+    assert sum(out["phases_mean_s"].values()) == pytest.approx(out["mean_e2el_ms"] / 1e3)
     assert sum(out["prefill_replicas"].values()) == sum(out["decode_replicas"].values()) == 6
-    assert "trace of 6 requests" in out["workload"]
+    assert "trace of 6 requests" in out["workload"]["description"]
+    assert (out["backend"], out["target"], out["application"]) == ("pdserve", apps.grpc_target, PD)
+    assert out["model_id"] and out["date"] and out["pdserve_version"]
+    doc = json.loads(detailed.read_text(), parse_constant=refuse)
+    assert doc["tpots"].count(None) == 1  # the 1-token answer has no TPOT
+    assert sum(map(len, doc["itls"])) == sum(m - 1 for _, _, m, _ in SHARED_PREFIX_TRACE)
+    assert all(t["prefill_replica"] for t in doc["timings"])
+    assert doc["replicas_over_time"][0]["replicas"]["prefill"] == 2
+    assert {"ttft_cdf.png", "itl_cdf.png", "phases.png", "replicas.png"} <= {
+        p.name for p in plots.iterdir()
+    }
+    wait_for_idle(apps, PD, {"prefill", "decode"})
+
+
+def test_bench_over_openai_http_measures_the_same_workload(apps, capsys, tmp_path):
+    common = ("--num-requests", "4", "--input-len", "24", "--output-len", "6", "--seed", "3",
+              "--json", "--no-progress")  # fmt: skip
+    grpc_out = run_cli(capsys, "bench", "--target", apps.grpc_target, "--application", PD,
+                       "--vocab-size", "512", *common)  # fmt: skip
+    http = f"{apps.http_base}/pd/v1"
+    http_out = run_cli(capsys, "bench", "--backend", "openai", "--base-url", http, *common)
+    assert http_out["backend"] == "openai" and http_out["target"] == http
+    for out in (grpc_out, http_out):
+        assert out["completed"] == 4 and out["failed"] == 0
+        assert (out["total_input_tokens"], out["total_output_tokens"]) == (96, 24)
+        assert out["mean_ttft_ms"] > 0 and out["mean_itl_ms"] > 0
+    assert grpc_out["model_id"].startswith(http_out["model_id"])  # "tiny@<hash>", served "tiny"
+    # pdserve's `pdserve_timing` on the last chunk gives the phases over HTTP too.
+    assert sum(http_out["decode_replicas"].values()) == 4
+    chat = run_cli(
+        capsys, "bench", "--backend", "openai-chat", "--base-url", http,
+        "--num-requests", "2", "--input-len", "16", "--output-len", "4", "--json",
+        "--no-progress", "--save-detailed", str(tmp_path / "chat.json"),
+    )  # fmt: skip
+    detail = json.loads((tmp_path / "chat.json").read_text())["errors"]
+    assert chat["completed"] == 2 and chat["total_output_tokens"] == 8, detail
     wait_for_idle(apps, PD, {"prefill", "decode"})
 
 

@@ -9,6 +9,7 @@ from cluster.client.bench_summary import (
     PHASE_HINTS,
     PHASES,
     BenchSummary,
+    Goodput,
     percentile,
     phase_seconds,
 )
@@ -69,7 +70,7 @@ def test_summary_counts_latencies_failures_cache_and_replicas():
         record(3, 1.0, [1.1], timing(0.0, 0.08, 0.09, 0.0, 0.09, "p2", "d1")),
     ]
     recs[0].reusable_tokens = 48
-    s = BenchSummary.of(recs, slo_ttft_s=0.15, slo_tpot_s=0.2)
+    s = BenchSummary.of(recs, Goodput(ttft_ms=150, tpot_ms=200))
     assert (s.requests, s.completed, s.failures) == (4, 3, {"RESOURCE_EXHAUSTED": 1})
     assert s.duration_s == pytest.approx(1.1)  # first send to last token
     assert s.output_tokens == 6 and s.prompt_tokens == 300
@@ -85,10 +86,11 @@ def test_summary_counts_latencies_failures_cache_and_replicas():
     assert s.dominant_phase == max(s.phase_mean_s, key=s.phase_mean_s.get)
     text = "\n".join(s.render())
     assert "3 of 4 completed (failed: RESOURCE_EXHAUSTED 1)" in text
-    assert "32 from the prefix cache" in text and "within the SLO: 1 of 4" in text
+    assert "32 from the prefix cache" in text and "within the SLOs: 1 of 4" in text
     assert f"Dominant phase: **{s.dominant_phase}**" in text
     assert PHASE_HINTS[s.dominant_phase] in text
-    assert s.to_json()["failures"] == {"RESOURCE_EXHAUSTED": 1}
+    assert s.metrics()["failures"] == {"RESOURCE_EXHAUSTED": 1}
+    assert s.max_concurrent == 1  # 0-0.4, 0.5-0.9 and 1.0-1.1 s: one at a time
 
 
 def test_a_run_where_nothing_completed_says_so():

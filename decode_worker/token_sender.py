@@ -1,5 +1,7 @@
 """A worker's side of the token stream: step outputs go from the engine thread straight to the
-router's `TokenStreamServer`, one frame per router connection per step.
+router's `TokenStreamServer`, one frame per router connection per step. While the router has
+not taken the previous frame (the socket holds bytes it did not send yet), a step's outputs are
+held and merged per request, and go out as one frame when the socket drains.
 
 Yielding each token back through the Serve handle instead cost the worker's process several
 event loop wake-ups per token, each taking the GIL from the engine thread in the middle of a
@@ -27,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from cluster.errors import Unavailable
 from cluster.request import StepOutput
 from cluster.serving.pool_messages import TokenRoute, WorkerChunk
-from cluster.serving.token_wire import encode_frame
+from cluster.serving.token_wire import encode_frame, encode_merged
 
 # Engine thread: wraps a request's output for the router; (output, is it the first) -> chunk.
 ChunkMaker = Callable[[StepOutput, bool], WorkerChunk]
@@ -68,6 +70,11 @@ class StreamSink:
 
 
 class _Connection:
+    """One socket to a router's token server, shared by every stream to that router. While
+    the router has not taken the last frame (bytes are still pending in the socket) new
+    outputs are held, merged per stream, and go out as one frame once it drains: a router
+    that falls behind gets fewer, larger items instead of a growing queue of frames."""
+
     def __init__(
         self, sock: socket.socket, loop: asyncio.AbstractEventLoop, max_pending: int
     ) -> None:
@@ -76,28 +83,29 @@ class _Connection:
         self.max_pending = max_pending
         self.lock = threading.Lock()
         self.sinks: dict[str, StreamSink] = {}
-        self.batch: list[tuple[bytes, WorkerChunk]] = []
-        self.ended: list[StreamSink] = []
+        self.batch: list[tuple[StreamSink, WorkerChunk]] = []  # this step's, engine thread
+        self.held: dict[str, tuple[StreamSink, list[WorkerChunk]]] = {}  # under the lock
+        self.held_bytes = 0  # about what the held chunks will take on the wire
         self.pending = bytearray()  # bytes the socket did not take yet
         self.broken: BaseException | None = None
         loop.add_reader(sock.fileno(), self._on_readable)
 
     def add(self, sink: StreamSink, chunk: WorkerChunk) -> None:
-        self.batch.append((sink.key, chunk))
-        if chunk.output.finished:
-            self.ended.append(sink)
+        self.batch.append((sink, chunk))
 
     def flush(self) -> list[str]:
-        """Engine thread: send this step's batch. Returns the request ids whose streams are
-        lost (the connection broke), for the engine to abort."""
+        """Engine thread: send this step's batch, or hold it while bytes are pending. Returns
+        the request ids whose streams are lost (the connection broke), for the engine to
+        abort."""
         batch, self.batch = self.batch, []
-        ended, self.ended = self.ended, []
         with self.lock:
-            if self.broken is None:
-                self._write(encode_frame(batch))
+            if self.broken is None and not self.pending and not self.held:
+                self._write(encode_frame([(sink.key, chunk) for sink, chunk in batch]))
+                ended = self._ended([(sink, chunk) for sink, chunk in batch])
+            else:
+                self._hold(batch)
+                ended = self._send_held() if self.broken is None and not self.pending else []
             failed = self.broken
-            for sink in ended:
-                self.sinks.pop(sink.request_id, None)
             lost = list(self.sinks) if failed is not None else []
         for sink in ended:
             self.loop.call_soon_threadsafe(sink.settle, failed)
@@ -105,8 +113,37 @@ class _Connection:
             self.loop.call_soon_threadsafe(self._fail_all, failed)
         return lost
 
+    def _hold(self, batch: list[tuple[StreamSink, WorkerChunk]]) -> None:
+        """Under the lock: keep the batch's chunks for the next frame, after the held ones."""
+        for sink, chunk in batch:
+            entry = self.held.setdefault(sink.request_id, (sink, []))
+            entry[1].append(chunk)
+            out = chunk.output
+            self.held_bytes += 64 + len(out.text) + 9 * len(out.token_ids)
+        if len(self.pending) + self.held_bytes > self.max_pending:
+            self.broken = Unavailable("the router stopped reading its token stream")
+
+    def _send_held(self) -> list[StreamSink]:
+        """Under the lock, nothing pending: write the held chunks, each stream's merged into
+        one item. Returns the sinks whose last output went out."""
+        held, self.held, self.held_bytes = self.held, {}, 0
+        if not held:
+            return []
+        for frame in encode_merged([(sink.key, chunks) for sink, chunks in held.values()]):
+            self._write(frame)
+        return self._ended([(sink, chunks[-1]) for sink, chunks in held.values()])
+
+    def _ended(self, sent: list[tuple[StreamSink, WorkerChunk]]) -> list[StreamSink]:
+        """Under the lock: forget the sinks whose last output is among `sent`."""
+        ended = [sink for sink, chunk in sent if chunk.output.finished]
+        for sink in ended:
+            self.sinks.pop(sink.request_id, None)
+        return ended
+
     def _write(self, frame: bytes) -> None:
         """Under the lock: send now, or queue behind what is pending for the loop to flush."""
+        if self.broken is not None:
+            return
         if self.pending:
             self.pending += frame
         else:
@@ -128,6 +165,7 @@ class _Connection:
             self.loop.add_writer(self.sock.fileno(), self._on_writable)
 
     def _on_writable(self) -> None:
+        """Loop thread: send what is pending; once it is all out, what was held meanwhile."""
         with self.lock:
             try:
                 sent = self.sock.send(self.pending) if self.pending else 0
@@ -139,9 +177,15 @@ class _Connection:
             del self.pending[:sent]
             if self.pending:
                 return
+            ended = self._send_held() if self.broken is None else []
+            failed, writing = self.broken, bool(self.pending)
+        for sink in ended:
+            sink.settle(failed)
+        if writing and failed is None:
+            return
         self.loop.remove_writer(self.sock.fileno())
-        if self.broken is not None:
-            self._fail_all(self.broken)
+        if failed is not None:
+            self._fail_all(failed)
 
     def _on_readable(self) -> None:
         """The router never writes: readable means it closed the connection (or broke it)."""
@@ -205,9 +249,11 @@ class TokenSender:
         return sink
 
     def discard(self, sink: StreamSink) -> None:
-        """Forget a sink that will get no more outputs (its request was aborted)."""
+        """Forget a sink that will get no more outputs (its request was aborted), and the
+        outputs held for it."""
         with sink.conn.lock:
             sink.conn.sinks.pop(sink.request_id, None)
+            sink.conn.held.pop(sink.request_id, None)
 
     async def _connection(self, endpoint: str) -> _Connection:
         conn = self._conns.get(endpoint)

@@ -10,7 +10,13 @@ message to it, grpc abandons the handler at its `yield` instead and closes it la
 swallows that `GeneratorExit` without cancelling the call, and the router, and the worker
 behind it, went on generating to `max_tokens` with the request's KV blocks held. Here a handler
 closed at a `yield` is resumed once more and cancelled at its next wait, where the proxy does
-cancel the call. Messages pass straight through (one generator frame more, no task switch).
+cancel the call.
+
+The proxy reads the router's messages as fast as they come, whatever the client takes, so a
+client that reads slower than tokens are made would get a backlog of one-token messages. Here
+`coalesce_stream` reads the proxy's handler in a task of its own and, each time grpc asks for
+the next message (its previous write went out), hands over everything that arrived since as one
+`GenerateResponse` (`merge_responses`); a client that keeps up gets each message at once.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 import grpc
 
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 StreamHandler = Callable[[Any, Any], AsyncIterator[Any]]  # (request, context) -> messages
@@ -32,7 +39,7 @@ StreamHandler = Callable[[Any, Any], AsyncIterator[Any]]  # (request, context) -
 def add_generation_servicer(servicer: Any, server: Any) -> None:
     """Register `pdserve.v1.Generation` on `server`. On Serve's proxy server (which replaces
     every handler with one made by its `service_handler_factory`) the streaming handlers are
-    made by `detach_stream` around the proxy's; on any other server this is
+    `detach_stream` around `coalesce_stream` around the proxy's; on any other server this is
     `add_GenerationServicer_to_server`."""
     factory = getattr(server, "service_handler_factory", None)
     if factory is None:
@@ -42,7 +49,7 @@ def add_generation_servicer(servicer: Any, server: Any) -> None:
     def make(*args: Any, **kwargs: Any) -> Callable:
         handler = factory(*args, **kwargs)
         if inspect.isasyncgenfunction(handler):
-            return detach_stream(handler)
+            return detach_stream(coalesce_stream(handler, merge_responses))
         return _with_status_mapping(handler)
 
     server.service_handler_factory = make
@@ -91,6 +98,81 @@ async def _cancel_at_next_wait(messages: AsyncIterator[Any]) -> None:
             return
         if step.cancelled() or step.exception() is not None:
             return  # ended (StopAsyncIteration) or failed: nothing left running
+
+
+def coalesce_stream(handler: StreamHandler, merge: Callable[[list[Any]], Any]) -> StreamHandler:
+    """A server-streaming handler that reads `handler`'s messages in a task of its own as they
+    come, and yields, each time it is asked, all that arrived since the last yield: one as it
+    is, several as `merge(messages)`. An error of `handler` is raised after the messages it
+    sent before it. Leaving the stream cancels the task, so `handler` is cancelled at the wait
+    it is in (for the proxy: waiting for the router's next message, where it cancels its call).
+    """
+
+    async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+        inbox = _Inbox()
+        reader = asyncio.ensure_future(inbox.fill(handler(request, context)))
+        try:
+            while (batch := await inbox.take()) is not None:
+                yield batch[0] if len(batch) == 1 else merge(batch)
+        finally:
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+
+    return stream
+
+
+class _Inbox:
+    """Messages read ahead of the stream's writes: filled by one task, taken by another."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.ended = False
+        self.error: Exception | None = None
+        self._waiter: asyncio.Future | None = None
+
+    async def fill(self, messages: AsyncIterator[Any]) -> None:
+        try:
+            async for message in messages:
+                self.messages.append(message)
+                self._wake()
+        except Exception as e:
+            self.error = e
+        finally:
+            self.ended = True
+            self._wake()
+
+    async def take(self) -> list[Any] | None:
+        """What arrived since the last take (waiting for at least one message); None at the
+        end; the reader's error once its messages are taken."""
+        while not self.messages:
+            if self.ended:
+                if self.error is not None:
+                    raise self.error
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        batch, self.messages = self.messages, []
+        return batch
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+def merge_responses(messages: list[bytes]) -> bytes:
+    """Consecutive serialized `GenerateResponse`s of one stream as one: tokens, text and
+    logprobs in order; finish reason, usage and timing (only on the last message) kept."""
+    parsed = [pb.GenerateResponse.FromString(raw) for raw in messages]
+    merged = pb.GenerateResponse()
+    for message in parsed:
+        merged.MergeFrom(message)  # repeated fields appended, the rest the last one's
+    merged.text = "".join(message.text for message in parsed)
+    return merged.SerializeToString()
 
 
 def _with_status_mapping(handler: Callable) -> Callable:

@@ -25,7 +25,7 @@ from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.serving.pool_messages import PrefillResult
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 ENDPOINTS_TTL_S = 1.0  # how long a looked-up list of prefill KV endpoints is used
 

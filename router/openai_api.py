@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from cluster.request import Request as GenerationRequest
     from router.generation_service import GenerationService
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve." + __name__)
 
 
 class ModelNotFound(NotFound):

@@ -4,8 +4,9 @@
   3. the first token goes to the client at once (time to first token).
   4. `_decode`: the decode pool pulls the KV named in the handle and decodes the rest.
   5. `_relay`: the worker's engine thread sends the tokens to this router's token server
-     (router/token_stream.py) for as long as the Serve call to the worker lasts; `Tally` adds
-     finish reason, usage and the phase timings to the last chunk.
+     (router/token_stream.py) for as long as the Serve call to the worker lasts; what arrived
+     while the client's side was busy goes on as one chunk; `Tally` adds finish reason, usage
+     and the phase timings to the last chunk.
 In colocated mode one pool does 2-4 in one engine (`_colocated`).
 
 `Orchestrator` is the `GenerationService` (router/generation_service.py) the API layers call.
@@ -20,7 +21,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import (
@@ -78,7 +78,7 @@ class Orchestrator:
         self.metrics = metrics
         self.app_name = app_name
         self.model = ServedModel(
-            name=Path(config.model.path).name,
+            name=config.model.served_name,
             model_id=info.model_id,
             max_context_length=info.max_model_len,
             vocab_size=info.spec.vocab_size,
@@ -163,13 +163,14 @@ class Orchestrator:
         )
         try:
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if time.monotonic() >= deadline:
                     raise DeadlineExceeded(
                         f"request took longer than {self.config.request_timeout_seconds}s"
                     )
                 try:
-                    chunk = await asyncio.wait_for(anext(steps), remaining)
+                    # A timer, not `wait_for`'s task per chunk: this runs for every message.
+                    async with asyncio.timeout_at(_loop_time(deadline)):
+                        chunk = await anext(steps)
                 except StopAsyncIteration:
                     return
                 except BackPressureError as e:  # a pool's queue is full: refuse, don't wait
@@ -297,9 +298,12 @@ class Orchestrator:
     async def _relay(self, request_id: str, method, payload) -> AsyncIterator[WorkerChunk]:
         """Call a worker's streaming method (`method.remote(payload, route)`, a Serve handle
         call) and yield the chunks its engine thread sends to this router's token server, up to
-        the last one. The call lasts as long as the stream, so Serve's queue limits, autoscaling
-        and cancellation see the request. Closing early cancels the call (the worker aborts);
-        after the last chunk the call is left to return by itself (the worker is finishing)."""
+        the last one; each yield carries every step that arrived since the previous one was
+        taken (`Subscription.next`), so a stream whose client side falls behind catches up in
+        fewer, larger messages. The call lasts as long as the stream, so Serve's queue limits,
+        autoscaling and cancellation see the request. Closing early cancels the call (the
+        worker aborts); after the last chunk the call is left to return by itself (the worker
+        is finishing)."""
         with self.tokens.subscribe(request_id) as sub:
             response = method.remote(payload, sub.route)
             call = asyncio.ensure_future(_transient_as_unavailable(response))
@@ -307,9 +311,11 @@ class Orchestrator:
             finished = False
             try:
                 while not finished:
-                    chunk = await sub.next()
+                    chunk = await sub.next()  # all that arrived since the last one, merged
                     finished = chunk.output.finished
                     if chunk.output.finish_reason == "abort":  # the worker gave up on it
+                        if chunk.output.token_ids:  # steps it sent before, merged with it
+                            yield replace(chunk, output=replace(chunk.output, finish_reason=None))
                         raise Unavailable(f"replica {chunk.replica_id} aborted the stream")
                     yield chunk
             finally:
@@ -350,6 +356,11 @@ def _first_chunk(result: PrefillResult) -> WorkerChunk:
 def _resumed(request: Request, done: list[int]) -> Request:
     """`request`, to go on after the tokens `done` the client already has."""
     return replace(request, output_token_ids=tuple(done)) if done else request
+
+
+def _loop_time(monotonic_at: float) -> float:
+    """The running loop's clock reading at `time.monotonic()` reading `monotonic_at`."""
+    return asyncio.get_running_loop().time() + (monotonic_at - time.monotonic())
 
 
 def _outcome_seen(call: asyncio.Future) -> None:

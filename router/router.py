@@ -1,7 +1,7 @@
-"""The ingress deployment: the gRPC API (through Serve's gRPC proxy) and the OpenAI-compatible
-HTTP API (through Serve's HTTP proxy), both calling one `Orchestrator` through the
-`GenerationService` interface (router/generation_service.py), and the token stream server the
-workers send tokens to."""
+"""The ingress deployment: the gRPC API (through Serve's gRPC proxy, and on the replica's own
+endpoint, router/grpc_endpoint.py) and the OpenAI-compatible HTTP API (through Serve's HTTP
+proxy), all calling one `Orchestrator` through the `GenerationService` interface
+(router/generation_service.py), and the token stream server the workers send tokens to."""
 
 from __future__ import annotations
 
@@ -19,18 +19,23 @@ from cluster.model.info import describe_model
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
+from cluster.serving.vllm_metrics import served_model_name
 from router.grpc_api import chunk_to_proto, model_info_to_proto, request_from_proto, stats_to_proto
+from router.grpc_endpoint import GrpcEndpoint
 from router.openai_api import install_error_handlers, openai_routes
 from router.orchestrator import Orchestrator
 from router.token_stream import TokenStreamServer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
+# How long streams on the router's own gRPC endpoint may go on once the replica is stopping.
+DIRECT_GRACE_S = 10.0
 
 
 @serve.ingress()
 class Router:
     async def __init__(self, config: AppConfig, prefill, decode, colocated) -> None:
-        self.tokens = TokenStreamServer(resolve_host(config.transfer.host))
+        host = resolve_host(config.transfer.host)
+        self.tokens = TokenStreamServer(host)
         await self.tokens.start()
         self.orch = Orchestrator(
             config,
@@ -39,9 +44,11 @@ class Router:
             decode,
             colocated,
             self.tokens,
-            PoolMetrics("router"),
+            PoolMetrics("router", served_model_name(config.model)),
             app_name=serve.get_replica_context().app_name,
         )
+        self.direct = GrpcEndpoint(host)
+        await self.direct.start(self)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="pdserve", version="1")
@@ -63,6 +70,11 @@ class Router:
             _fail(grpc_context, e)
             raise
 
+    def grpc_endpoint(self) -> str:
+        """Where this replica serves `pdserve.v1.Generation` itself, without Serve's proxy
+        (router/grpc_endpoint.py), as "host:port"."""
+        return self.direct.endpoint
+
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context) -> pb.ModelInfo:
         return model_info_to_proto(self.orch.model)
 
@@ -74,7 +86,10 @@ class Router:
             raise
 
     async def __del__(self) -> None:
-        tokens = getattr(self, "tokens", None)  # absent if __init__ failed early
+        direct = getattr(self, "direct", None)  # absent if __init__ failed early
+        if direct is not None:
+            await direct.stop(DIRECT_GRACE_S)
+        tokens = getattr(self, "tokens", None)
         if tokens is not None:
             await tokens.stop()
         orch = getattr(self, "orch", None)

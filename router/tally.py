@@ -40,9 +40,10 @@ class Tally:
             self._observe("pdserve_time_to_first_token_seconds", now - self.start)
         else:
             self.decode_replica = chunk.replica_id
-            if out.token_ids:
+            if out.token_ids:  # the gap, shared by the chunk's tokens: one value per token
                 gap = (now - self.last_at) / len(out.token_ids)
-                self._observe("pdserve_inter_token_latency_seconds", gap)
+                for _ in out.token_ids:
+                    self._observe("pdserve_inter_token_latency_seconds", gap)
         self.last_at = now
         self.queue += chunk.queue_seconds
         self.prefill += chunk.prefill_seconds

@@ -24,43 +24,68 @@ import secrets
 
 from cluster.errors import InvalidArgument, Unavailable
 from cluster.serving.pool_messages import TokenRoute, WorkerChunk
-from cluster.serving.token_wire import KEY_BYTES, decode_items, read_frame
+from cluster.serving.token_wire import KEY_BYTES, decode_items, merge_chunks, read_frame
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 
 class Subscription:
-    """One request's stream of chunks, in order."""
+    """One request's stream of chunks, in order. Chunks that arrive while the reader is away
+    (the request's next hop has not taken its previous message yet) wait here and are handed
+    over together, as one chunk (`merge_chunks`): a stream that falls behind gets fewer,
+    larger messages, while one that keeps up gets each step's chunk as soon as it arrives."""
 
     def __init__(self, server: TokenStreamServer, request_id: str) -> None:
         self.server = server
         self.request_id = request_id
         self.route = TokenRoute(server.endpoint, secrets.token_bytes(KEY_BYTES))
-        self.queue: asyncio.Queue[WorkerChunk | asyncio.Future] = asyncio.Queue()
+        self.chunks: list[WorkerChunk] = []  # arrived, not taken yet
         self.call: asyncio.Future | None = None  # the worker call, once it has ended
+        self._waiter: asyncio.Future | None = None
 
     def watch(self, call: asyncio.Future) -> None:
         """End the stream with `call`'s outcome if the items stop (see `next`)."""
-        call.add_done_callback(self.queue.put_nowait)
+        call.add_done_callback(self._ended)
+
+    def put(self, chunk: WorkerChunk) -> None:
+        self.chunks.append(chunk)
+        self._wake()
+
+    def _ended(self, call: asyncio.Future) -> None:
+        self.call = call
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def next(self) -> WorkerChunk:
-        """The next chunk. Raises the worker call's error, or Unavailable when the call has
-        returned and the next item does not come within the grace period."""
-        while True:
-            if self.call is not None and self.queue.empty():
+        """Every chunk that arrived since the last call, as one. Raises the worker call's
+        error once the chunks sent before it are taken, or Unavailable when the call has
+        returned and no chunk comes within the grace period."""
+        while not self.chunks:
+            call = self.call
+            if call is None:
+                await self._wait()
+            elif not call.cancelled() and call.exception() is not None:
+                raise call.exception()
+            else:
                 try:
-                    item = await asyncio.wait_for(self.queue.get(), self.server.grace_s)
+                    async with asyncio.timeout(self.server.grace_s):
+                        await self._wait()
                 except TimeoutError:
                     raise Unavailable(
                         "the worker finished but its token stream did not arrive"
                     ) from None
-            else:
-                item = await self.queue.get()
-            if isinstance(item, WorkerChunk):
-                return item
-            self.call = item  # the call ended: its error, if any, ends the stream
-            if not item.cancelled() and item.exception() is not None:
-                raise item.exception()
+        chunks, self.chunks = self.chunks, []
+        return merge_chunks(chunks)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def close(self) -> None:
         self.server._subs.pop(self.request_id, None)
@@ -107,7 +132,7 @@ class TokenStreamServer:
                         continue  # cancelled or timed out here: the worker aborts it soon
                     if not hmac.compare_digest(key, sub.route.key):
                         raise InvalidArgument(f"wrong stream key for {sub.request_id!r}")
-                    sub.queue.put_nowait(chunk)
+                    sub.put(chunk)
         except InvalidArgument as e:
             log.warning("dropping token stream from %s: %s", peer, e.message)
         except (ConnectionError, asyncio.CancelledError):

@@ -2,7 +2,9 @@
 
 A frame is a 7-byte header (magic `b"PT"`, version, big-endian payload length) and a msgpack
 array of items, one per request that gained tokens in the step. An item is a fixed-position
-array (see `_encode_item`): the stream's key, then the fields of a `WorkerChunk`.
+array (see `_encode_item`): the stream's key, then the fields of a `WorkerChunk`. An item may
+carry several steps' tokens: a hop whose next hop has not taken a stream's previous chunk yet
+merges the stream's new chunks into one (`merge_chunks`), on both sides of the socket.
 
 The router trusts nothing that comes off the socket: `read_frame` refuses a bad magic or
 version and a length over `MAX_FRAME_BYTES` before reading the payload, and `decode_items`
@@ -31,10 +33,52 @@ _ITEM_FIELDS = 14
 _FINISH = frozenset(("stop", "length", "abort", "prefilled"))
 
 
+def merge_chunks(chunks: list[WorkerChunk]) -> WorkerChunk:
+    """Consecutive chunks of one stream as one: their tokens, text and logprobs in order, the
+    last one's finish reason and counts, their phase and queue times added up (only a stream's
+    first chunk has any) and the most prompt tokens the cache supplied."""
+    if len(chunks) == 1:
+        return chunks[0]
+    first, last = chunks[0].output, chunks[-1].output
+    output = StepOutput(
+        first.request_id,
+        tuple(t for c in chunks for t in c.output.token_ids),
+        "".join(c.output.text for c in chunks),
+        last.finish_reason,
+        last.num_prompt_tokens,
+        last.num_output_tokens,
+        sum(c.output.queue_seconds for c in chunks),
+        max(c.output.num_cached_tokens for c in chunks),
+        tuple(lp for c in chunks for lp in c.output.logprobs),
+    )
+    return WorkerChunk(
+        output,
+        chunks[-1].replica_id,
+        sum(c.kv_transfer_seconds for c in chunks),
+        sum(c.queue_seconds for c in chunks),
+        sum(c.prefill_seconds for c in chunks),
+    )
+
+
 def encode_frame(items: list[tuple[bytes, WorkerChunk]]) -> bytes:
     """One frame holding `(stream key, chunk)` for each stream that gained output."""
     payload = msgpack.packb([_encode_item(key, c) for key, c in items], use_bin_type=True)
     return HEADER.pack(MAGIC, VERSION, len(payload)) + payload
+
+
+def encode_merged(streams: list[tuple[bytes, list[WorkerChunk]]]) -> list[bytes]:
+    """Frames holding each stream's chunks merged into one item (`merge_chunks`), as few as
+    stay under `MAX_FRAME_BYTES` (only a long backlog needs more than one); a stream's
+    tokens stay in order across them."""
+    frame = encode_frame([(key, merge_chunks(chunks)) for key, chunks in streams])
+    if len(frame) <= MAX_FRAME_BYTES or (len(streams) == 1 and len(streams[0][1]) == 1):
+        return [frame]
+    if len(streams) == 1:
+        key, chunks = streams[0]
+        half = len(chunks) // 2
+        return encode_merged([(key, chunks[:half])]) + encode_merged([(key, chunks[half:])])
+    half = len(streams) // 2
+    return encode_merged(streams[:half]) + encode_merged(streams[half:])
 
 
 def _encode_item(key: bytes, c: WorkerChunk) -> list:

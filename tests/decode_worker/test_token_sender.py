@@ -119,7 +119,7 @@ def test_a_wrong_key_drops_the_connection_and_the_engine_aborts(model_dir, make_
             sink.done.add_done_callback(lambda _: broken.set())
             with pytest.raises(Unavailable):
                 await asyncio.wait_for(t.run(Request("r1", prompt(6, 1), greedy(100)), sink), 30)
-            assert sub.queue.empty()  # nothing with the wrong key was delivered
+            assert not sub.chunks  # nothing with the wrong key was delivered
             assert await used(t.engine) == 0
 
     asyncio.run(go())
@@ -185,9 +185,10 @@ def test_unreachable_router_is_unavailable():
     asyncio.run(go())
 
 
-def test_a_router_that_stops_reading_is_buffered_then_cut_off():
-    """Frames the socket cannot take wait in order and are flushed when the reader drains;
-    past `max_pending` bytes the connection is broken and its streams lost."""
+def test_a_router_that_stops_reading_gets_held_outputs_merged_then_is_cut_off():
+    """While the socket holds bytes the router has not read, a stream's new outputs are held
+    and merged: once the reader drains they arrive as one item, every token in order. Past
+    `max_pending` bytes (pending and held) the connection is broken and its streams lost."""
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -199,30 +200,35 @@ def test_a_router_that_stops_reading_is_buffered_then_cut_off():
         class Sink:
             key, request_id = bytes(16), "r1"
 
-        out = StepOutput("r1", (1,), "x" * 2000)
-        n = 0
+        sent = 0
+
+        def step() -> list[str]:
+            nonlocal sent
+            conn.add(Sink, WorkerChunk(StepOutput("r1", (sent,), "x" * 2000), "w0"))
+            sent += 1
+            return conn.flush()
+
         while not conn.pending:
-            conn.add(Sink, WorkerChunk(out, "w0"))
-            assert conn.flush() == []
-            n += 1
+            assert step() == []
         for _ in range(5):
-            conn.add(Sink, WorkerChunk(out, "w0"))
-            conn.flush()
-            n += 1
+            assert step() == []
+        assert len(conn.held["r1"][1]) == 5  # held, not queued behind the pending bytes
         # Drain on the reader's side while the loop flushes the rest.
         reader, writer = await asyncio.open_connection(sock=theirs)
-        got = []
-        for _ in range(n):
-            got.extend(decode_items(await asyncio.wait_for(read_frame(reader), 10)))
-        assert len(got) == n and all(c.output.text == out.text for _, c in got)
-        assert not conn.pending and conn.broken is None
-        # Now stop reading for good: the pending bytes pass the bound and the link breaks.
+        items = []
+        while sum(len(c.output.token_ids) for _, c in items) < sent:
+            items.extend(decode_items(await asyncio.wait_for(read_frame(reader), 10)))
+        assert [t for _, c in items for t in c.output.token_ids] == list(range(sent))
+        merged = items[-1][1].output
+        assert merged.token_ids == tuple(range(sent - 5, sent)) and merged.text == "x" * 10000
+        assert not conn.pending and not conn.held and conn.broken is None
+        # Now stop reading for good: held outputs pass the bound and the link breaks.
         conn.sinks["r1"] = Sink
         lost: list[str] = []
         while not lost:
-            conn.add(Sink, WorkerChunk(out, "w0"))
-            lost = conn.flush()
+            lost = step()
         assert lost == ["r1"] and isinstance(conn.broken, Unavailable)
+        assert len(conn.pending) < 1 << 20  # bounded: one frame at most, the rest held
         writer.close()
 
     asyncio.run(go())

@@ -10,7 +10,6 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -121,11 +120,6 @@ def test_vllm_names_are_exported_and_agree_with_pdserves(apps, tokenizer_model_d
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router/router.py builds PoolMetrics('router') without the model's name; pass "
-    "model_name=served_model_name(config.model) and drop this mark",
-)
 def test_the_routers_vllm_series_carry_the_model_name(apps, tokenizer_model_dir):
     _send_requests(apps)
     routed = [

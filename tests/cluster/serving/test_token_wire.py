@@ -20,6 +20,8 @@ from cluster.serving.token_wire import (
     _encode_item,
     decode_items,
     encode_frame,
+    encode_merged,
+    merge_chunks,
     read_frame,
 )
 
@@ -128,3 +130,35 @@ def test_malformed_items_are_refused(payload):
 def test_the_reference_item_itself_is_accepted():
     ((key, c),) = decode_items(msgpack.packb([item()], use_bin_type=True))
     assert key == KEY and c.output.token_ids == (5, 6) and len(c.output.logprobs) == 2
+
+
+def test_merged_chunks_keep_every_token_and_the_first_ones_phase_times():
+    lp = [TokenLogprobs(-0.1 * i, ((i, -0.1 * i),)) for i in range(3)]
+    first = WorkerChunk(
+        StepOutput("r1", (1,), "a", None, 7, 1, 0.5, 4, (lp[0],)), "w0", 0.25, 0.125, 0.0625
+    )
+    second = WorkerChunk(StepOutput("r1", (2,), "b", None, 7, 2, 0.0, 0, (lp[1],)), "w0")
+    last = WorkerChunk(StepOutput("r1", (3,), "c", "length", 7, 3, 0.0, 0, (lp[2],)), "w0")
+    merged = merge_chunks([first, second, last])
+    out = merged.output
+    assert (out.token_ids, out.text, out.logprobs) == ((1, 2, 3), "abc", tuple(lp))
+    assert (out.finish_reason, out.num_prompt_tokens, out.num_output_tokens) == ("length", 7, 3)
+    assert (out.queue_seconds, out.num_cached_tokens) == (0.5, 4)
+    assert (merged.kv_transfer_seconds, merged.queue_seconds, merged.prefill_seconds) == (
+        0.25,
+        0.125,
+        0.0625,
+    )
+    assert merge_chunks([first]) is first
+
+
+def test_a_backlog_too_big_for_one_frame_is_split_in_order():
+    big = "x" * (MAX_FRAME_BYTES // 4)
+    chunks = [chunk(token_ids=(i,), text=big) for i in range(6)]
+    other = [chunk(request_id="r2", token_ids=(9,), text="y")]
+    frames = encode_merged([(KEY, chunks), (bytes(16), other)])
+    assert len(frames) > 1 and all(len(f) <= MAX_FRAME_BYTES for f in frames)
+    items = [item for f in frames for item in decode_items(f[HEADER.size :])]
+    r1 = [t for _, c in items if c.output.request_id == "r1" for t in c.output.token_ids]
+    assert r1 == list(range(6))
+    assert [c.output.token_ids for _, c in items if c.output.request_id == "r2"] == [(9,)]

@@ -1,0 +1,262 @@
+"""Capacity of the serving path: N concurrent gRPC streams on the tiny model through a deployed
+app (1 router, 1 prefill and 1 decode replica), against the engine alone.
+
+    python -m benchmarks.capacity_bench [--streams 1,16,64,256] [--tokens 256]
+        [--prompt-tokens 16] [--paths proxy,direct] [--engine-cpus LIST] [--before REV]
+        [--out FILE]
+
+For each N, all N streams (greedy, `ignore_eos`, `--tokens` each, prompts of their own) are
+sent at once over one channel, by each path in turn: through Serve's gRPC proxy ("proxy"), and
+straight to the router replica's own gRPC endpoint ("direct", router/grpc_endpoint.py), then
+the same requests go through `Engine.generate` in this process (one engine of the decode
+pool's config and torch threads: the engine alone). Per N and path it reports the tokens the
+clients received per second and that over the engine alone's; the CPU time each process spent
+per delivered token, from /proc (Serve's proxy, the router, the decode and the prefill replica,
+and this client); tokens per message (the path coalesces streams that fall behind); and the
+time to first token (TTFT) and inter-token latency (ITL) p50 / p99 as the client saw them
+(`benchmarks/stream_load.py`). Each process's CPU while the app sat idle is shown apart; the
+figures count all of it.
+
+Targets (issue 21), at N = 64: proxy + router at most 100 µs of CPU per delivered token, and
+delivered tok/s at least 0.8x the engine alone; both are checked for each path. With
+`--before REV` it first measures N = 1 through the proxy on the code at REV
+(`benchmarks/capacity_before.py`) and prints its ITL beside this tree's.
+
+It starts a local Ray and Serve of its own (needed for the CPU figures: it finds the processes
+among its raylet's workers) and shuts them down after; `--grpc-port` uses a running one (the
+session's, in the tests). The report goes to benchmarks/results/capacity.md
+(`benchmarks/capacity_report.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from benchmarks.capacity_before import measure_before, write_json
+from benchmarks.capacity_report import PATHS, Point, render
+from benchmarks.grpc_calls import stub, wait_ready
+from benchmarks.options import checkpoint_options, model_dir, with_threads
+from benchmarks.paced_engine import PACED_DECODE, STEP_ENV, pace
+from benchmarks.proc_stats import cpu_seconds, serving_processes
+from benchmarks.report import log, publish
+from benchmarks.serve_session import deployed, kv_transport, on_serve
+from benchmarks.stream_load import LoadResult, greedy_request, run_load
+from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from cluster.engine.engine import Engine
+from cluster.model.info import describe_model
+from cluster.request import Request
+from cluster.sampling_params import SamplingParams
+from cluster.serving.app_config import AppConfig, PoolConfig
+from cluster.serving.cpu_affinity import cpu_list_arg, reserve_for_engines
+
+APP = "capacity"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    checkpoint_options(p, "capacity", preset="tiny")
+    p.add_argument("--streams", default="1,16,64,256", help="N values, comma-separated")
+    p.add_argument("--tokens", type=int, default=256, help="output tokens per stream")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per stream")
+    p.add_argument("--paths", default=",".join(PATHS), help="proxy, direct or both")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    p.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU window")
+    p.add_argument(
+        "--engine-cpus",
+        type=cpu_list_arg,
+        default=(),
+        metavar="LIST",
+        help="cores of the engine threads (both pools' and the engine alone's); Ray, its "
+        "proxy, the router and this client then run on the others (default: no pinning)",
+    )
+    p.add_argument(
+        "--before",
+        metavar="REV",
+        default=None,
+        help="also measure N = 1 through the proxy on the code at git revision REV (e.g. "
+        "HEAD), in a child process with a Ray of its own, and print both",
+    )
+    p.add_argument("--json", default=None, help="also write the key figures here, as JSON")
+    p.add_argument(
+        "--gpu-step-ms",
+        type=float,
+        default=0.0,
+        help="also run every N on an emulated GPU engine: the decode pool's forward pass "
+        "replaced by a sleep of this many ms per step (benchmarks/paced_engine.py); 0: not",
+    )
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=0,
+        help="use the Serve already running in this process's Ray, its gRPC proxy on this port",
+    )
+    a = p.parse_args(argv)
+    a.stream_counts = [int(x) for x in a.streams.split(",") if x]
+    a.path_names = [x for x in a.paths.split(",") if x]
+    if not a.stream_counts or not set(a.path_names) <= set(PATHS) or not a.path_names:
+        p.error(f"--streams needs N values and --paths some of {', '.join(PATHS)}")
+    if (a.engine_cpus or a.gpu_step_ms) and a.grpc_port:
+        p.error("--engine-cpus and --gpu-step-ms need a Ray this script starts")
+    return a
+
+
+def app_config(checkpoint: str, a: argparse.Namespace) -> AppConfig:
+    """1 router, 1 prefill and 1 decode replica, each engine pool able to hold every stream."""
+    most = max(a.stream_counts)
+    per_stream = -(-(a.prompt_tokens + a.tokens) // 16) + 1
+    pool = PoolConfig(
+        num_cpus=0.25,
+        torch_threads=a.threads,
+        engine_cpus=a.engine_cpus,
+        cache=CacheConfig(block_size=16, num_blocks=most * per_stream + 64),
+        scheduler=SchedulerConfig(max_num_seqs=max(most, 8), max_num_batched_tokens=512),
+    )
+    return AppConfig(
+        model=ModelConfig(path=checkpoint),
+        router=replace(pool, engine_cpus=(), max_ongoing_requests=max(4 * most, 64)),
+        prefill=pool,
+        decode=pool,
+        default_max_tokens=a.tokens,
+        name=APP,
+    )
+
+
+def prompts(n: int, length: int, vocab: int, salt: int) -> list[list[int]]:
+    rng = random.Random(salt)
+    return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(n)]
+
+
+class EngineAlone:
+    """An engine of the decode pool's config on a thread of its own (on the engine cores);
+    with `step_s`, paced as the emulated GPU engine (`paced_engine`)."""
+
+    def __init__(self, app: AppConfig, cpus: tuple[int, ...], step_s: float = 0.0) -> None:
+        self.pool = ThreadPoolExecutor(1, initializer=_pin, initargs=(cpus,))
+        self.engine = self.pool.submit(Engine, app.engine_config("colocated")).result()
+        if step_s:
+            pace(self.engine, step_s)
+
+    def tok_per_s(self, batch: list[list[int]], tokens: int) -> float:
+        """`Engine.generate` on the batch (all queued at once)."""
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        requests = [Request(f"alone-{i}", tuple(p), params) for i, p in enumerate(batch)]
+        began = time.perf_counter()
+        outs = self.pool.submit(self.engine.generate, requests).result()
+        wall = time.perf_counter() - began
+        return sum(len(o.token_ids) for o in outs) / wall
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def _pin(cpus: tuple[int, ...]) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def served(
+    target: str, pids: dict[str, int], batch: list[list[int]], tokens: int
+) -> tuple[LoadResult, dict[str, float]]:
+    """The load through `target`, and each process's CPU seconds meanwhile (this one as
+    "client")."""
+    before, own = cpu_seconds(pids), own_cpu()
+    load = run_load(target, APP, [greedy_request(p, tokens) for p in batch])
+    after, own_after = cpu_seconds(pids), own_cpu()
+    cpu = {name: after[name] - before[name] for name in after if name in before}
+    cpu["client"] = own_after - own
+    return load, cpu
+
+
+def idle_rates(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """CPU seconds per second of each process while the app serves nothing."""
+    before = cpu_seconds(pids)
+    time.sleep(seconds)
+    after = cpu_seconds(pids)
+    return {name: (after[name] - before[name]) / seconds for name in after if name in before}
+
+
+def targets(grpc_port: int, paths: list[str]) -> dict[str, str]:
+    """Path -> the address its streams go to: Serve's proxy, the router's own endpoint."""
+    from ray import serve
+
+    to = {"proxy": f"127.0.0.1:{grpc_port}"}
+    if "direct" in paths:
+        router = serve.get_deployment_handle("Router", app_name=APP)
+        to["direct"] = router.grpc_endpoint.remote().result()
+    return to
+
+
+def measure(grpc_port: int, a: argparse.Namespace, checkpoint: str):
+    """Every N by every path, on the tiny model and (`--gpu-step-ms`) on the paced engine."""
+    points, idle, transport = measure_engine(grpc_port, a, checkpoint, "model")
+    if a.gpu_step_ms:
+        points += measure_engine(grpc_port, a, checkpoint, "paced")[0]
+    return points, idle, transport
+
+
+def measure_engine(grpc_port: int, a: argparse.Namespace, checkpoint: str, engine_kind: str):
+    """One app whose decode pool runs `engine_kind` ("model", or "paced": `paced_engine`):
+    each N through each path, and the engine alone (before and after, averaged)."""
+    app = app_config(checkpoint, a)
+    vocab = describe_model(app.model).spec.vocab_size
+    roles = {"Decode": PACED_DECODE} if engine_kind == "paced" else None
+    with deployed([app], roles):
+        wait_ready(stub(grpc_port), APP, prompts(1, a.prompt_tokens, vocab, 0)[0])
+        found = serving_processes({APP: APP})
+        pids = {name.split("/")[-1]: pid for name, pid in found.items()}
+        log(f"processes: {pids}")
+        to = targets(grpc_port, a.path_names)
+        for path in a.path_names:  # warm both paths up
+            run_load(to[path], APP, [greedy_request(p, 16) for p in prompts(4, 16, vocab, 1)])
+        idle = idle_rates(pids, a.idle_seconds) if pids else {}
+        step_s = a.gpu_step_ms / 1e3 if engine_kind == "paced" else 0.0
+        engine = EngineAlone(app, a.engine_cpus, step_s)
+        points = []
+        for k, n in enumerate(a.stream_counts):
+            batch = prompts(n, a.prompt_tokens, vocab, 100 + k)
+            alone = engine.tok_per_s(batch, a.tokens)
+            runs = {}
+            for path in a.path_names:
+                runs[path] = served(to[path], pids, batch, a.tokens)
+                log(f"{engine_kind} N={n} {path}: {runs[path][0].tok_per_s:.0f} tok/s")
+            alone = (alone + engine.tok_per_s(batch, a.tokens)) / 2
+            log(f"{engine_kind} N={n}: {alone:.0f} tok/s alone")
+            points += [
+                Point(n, path, load, alone, cpu, engine_kind) for path, (load, cpu) in runs.items()
+            ]
+        engine.close()
+        return points, idle, kv_transport(app)
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    checkpoint = str(model_dir(a))
+    began = time.perf_counter()
+    before = measure_before(a.before, a) if a.before else None
+    if a.engine_cpus:  # Ray's processes inherit the other cores
+        reserve_for_engines(a.engine_cpus)
+    if a.gpu_step_ms:  # and this environment: the paced replicas read their step time here
+        os.environ[STEP_ENV] = str(a.gpu_step_ms / 1e3)
+    points, idle, transport = with_threads(
+        a.threads, lambda: on_serve(a.grpc_port, lambda port: measure(port, a, checkpoint))
+    )
+    if a.json:
+        write_json(points, a.json)
+    report = render(a, argv, points, idle, transport, time.perf_counter() - began, before)
+    return publish(report, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The capacity benchmark's measurements and its Markdown report: one table per path (Serve's
+proxy, the router's own endpoint), one column per number of streams, and the targets."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from benchmarks.report import header
+from benchmarks.stream_load import LoadResult
+from cluster.serving.cpu_affinity import format_cpu_list
+
+PATHS = ("proxy", "direct")
+PATH_TITLES = {
+    "proxy": "through Serve's gRPC proxy",
+    "direct": "straight to the router's own gRPC endpoint (no proxy)",
+}
+PROCESSES = ("proxy", "Router", "Decode", "Prefill", "client")
+ENGINES = {  # the decode engine of a table: its title's end
+    "model": "",
+    "paced": ", emulated GPU engine ({:g} ms a step, no CPU)",
+}
+TARGET_PATH_US = 100.0  # proxy + router CPU per delivered token
+TARGET_RATIO = 0.8  # delivered / engine alone
+TARGET_STREAMS = 64
+
+
+@dataclass(frozen=True)
+class Point:
+    """One N by one path: the served load, the engine alone on the same requests and the CPU
+    seconds of each process during the served run (this client as "client")."""
+
+    streams: int
+    path: str
+    load: LoadResult
+    alone_tok_s: float
+    cpu_s: dict[str, float]
+    engine: str = "model"  # "model": the tiny model; "paced": the emulated GPU engine
+
+    def us_per_token(self, process: str) -> float:
+        return 1e6 * self.cpu_s.get(process, math.nan) / self.load.tokens
+
+    def us_per_message(self, process: str) -> float:
+        return 1e6 * self.cpu_s.get(process, math.nan) / self.load.messages
+
+    @property
+    def path_us(self) -> float:
+        """Proxy + router CPU per delivered token."""
+        return self.us_per_token("proxy") + self.us_per_token("Router")
+
+    @property
+    def ratio(self) -> float:
+        return self.load.tok_per_s / self.alone_tok_s
+
+
+def _row(label: str, points: list[Point], cell) -> str:
+    return f"| {label} | " + " | ".join(cell(p) for p in points) + " |"
+
+
+def _ms(p50: float, p99: float) -> str:
+    return f"{1e3 * p50:,.1f} / {1e3 * p99:,.1f}"
+
+
+def table(points: list[Point]) -> list[str]:
+    """One path's figures, a column per N."""
+    lines = [
+        "| streams (N) | " + " | ".join(str(p.streams) for p in points) + " |",
+        "|---|" + "---|" * len(points),
+        _row("delivered tok/s", points, lambda p: f"{p.load.tok_per_s:,.0f}"),
+        _row("engine alone tok/s", points, lambda p: f"{p.alone_tok_s:,.0f}"),
+        _row("delivered / engine alone", points, lambda p: f"{p.ratio:.2f}"),
+        _row("tokens per message", points, lambda p: f"{p.load.tokens / p.load.messages:.2f}"),
+        _row("**proxy + router CPU µs / token**", points, lambda p: f"**{p.path_us:,.0f}**"),
+    ]
+    for process in PROCESSES:
+        label = process if process != "client" else "client (this process)"
+        lines.append(_row(f"{label} CPU µs / token", points, _us(process)))
+    lines += [
+        _row("proxy, router CPU µs / message", points, _per_message),
+        _row("TTFT p50 / p99 (ms)", points, lambda p: _ms(p.load.ttft(0.5), p.load.ttft(0.99))),
+        _row("ITL p50 / p99 (ms)", points, lambda p: _ms(p.load.itl(0.5), p.load.itl(0.99))),
+    ]
+    return lines
+
+
+def _us(process: str):
+    return lambda p: f"{p.us_per_token(process):,.0f}"
+
+
+def _per_message(p: Point) -> str:
+    return f"{p.us_per_message('proxy'):,.0f}, {p.us_per_message('Router'):,.0f}"
+
+
+def verdicts(points: list[Point]) -> list[str]:
+    lines = []
+    for p in points:
+        if p.streams != TARGET_STREAMS:
+            continue
+        what = p.path if p.engine == "model" else f"{p.path} (emulated GPU engine)"
+        lines += [
+            f"- {what}, N = {TARGET_STREAMS}: proxy + router {p.path_us:,.0f} µs CPU per "
+            f"delivered token, target ≤ {TARGET_PATH_US:.0f}: "
+            f"**{'PASS' if p.path_us <= TARGET_PATH_US else 'FAIL'}**",
+            f"- {what}, N = {TARGET_STREAMS}: delivered {p.ratio:.2f}x the engine alone, "
+            f"target ≥ {TARGET_RATIO}x: **{'PASS' if p.ratio >= TARGET_RATIO else 'FAIL'}**",
+        ]
+    return lines or [f"(no N = {TARGET_STREAMS} run: targets not checked)"]
+
+
+def _pinning(cpus: tuple[int, ...]) -> str:
+    if not cpus:
+        return "engine threads unpinned"
+    return f"engine threads on core(s) {format_cpu_list(cpus)}, everything else on the others"
+
+
+def against_before(rev: str, before: list[dict], points: list[Point]) -> list[str]:
+    """N = 1 through the proxy: the revision's figures beside this tree's."""
+    then = next((b for b in before if b["streams"] == 1 and b["path"] == "proxy"), None)
+    now = next((p for p in points if p.streams == 1 and p.path == "proxy"), None)
+    if then is None or now is None:
+        return [f"(no N = 1 run through the proxy for both {rev} and this tree)"]
+    rows = [
+        ("ITL p50 (ms)", 1e3 * then["itl_p50"], 1e3 * now.load.itl(0.5), ".2f"),
+        ("ITL p99 (ms)", 1e3 * then["itl_p99"], 1e3 * now.load.itl(0.99), ".2f"),
+        ("TTFT (ms)", 1e3 * then["ttft_p50"], 1e3 * now.load.ttft(0.5), ".1f"),
+        ("delivered tok/s", then["tok_s"], now.load.tok_per_s, ",.0f"),
+        ("proxy + router CPU µs / token", then["path_us"], now.path_us, ",.0f"),
+    ]
+    lines = [f"| N = 1, through the proxy | {rev} (before) | this tree |", "|---|---|---|"]
+    lines += [f"| {label} | {b:{fmt}} | {n:{fmt}} |" for label, b, n, fmt in rows]
+    return lines
+
+
+def render(
+    a: argparse.Namespace,
+    argv,
+    points: list[Point],
+    idle,
+    transport: str,
+    wall: float,
+    before: list[dict] | None = None,
+) -> str:
+    lines = header("Capacity: concurrent streams through proxy + router", "capacity_bench", argv)
+    lines += [
+        f"- app: 1 router, 1 prefill, 1 decode replica ({a.preset} preset, fp32 CPU, "
+        f"{a.threads} torch thread(s) per engine, {_pinning(a.engine_cpus)}, KV over "
+        f"{transport}); {a.prompt_tokens}-token prompts, {a.tokens} tokens out per stream, "
+        f"greedy, EOS ignored; wall time {wall:.0f} s",
+        "- idle CPU of each process, ms per second (counted in the figures): "
+        + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(idle.items())),
+        "- ITL: the gap between two messages, shared by the tokens of the later one",
+    ]
+    for engine in ENGINES:
+        for path in a.path_names:
+            at = [p for p in points if p.path == path and p.engine == engine]
+            if at:
+                title = f"{path}: {PATH_TITLES[path]}{ENGINES[engine].format(a.gpu_step_ms)}"
+                lines += ["", f"## {title}", "", *table(at)]
+    if before is not None:
+        lines += ["", f"## N = 1 against {a.before}", "", *against_before(a.before, before, points)]
+    lines += ["", "## Targets", "", *verdicts(points)]
+    return "\n".join(lines) + "\n"

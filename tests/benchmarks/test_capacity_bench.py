@@ -1,0 +1,41 @@
+"""Smoke test of the capacity benchmark: two small N on the session's Ray and Serve, both paths.
+
+It checks that every row of both tables is there with numbers that make sense (every token
+delivered, CPU found for each process), not the targets: they need N = 64 on a quiet machine
+(the current report is benchmarks/results/capacity.md)."""
+
+from __future__ import annotations
+
+import re
+
+from benchmarks import capacity_bench
+from tests.benchmarks.bench_report import cells
+
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+
+
+def numbers(cell: str) -> list[float]:
+    return [float(m.group().replace(",", "")) for m in _NUMBER.finditer(cell)]
+
+
+def test_small_run_reports_both_paths_for_each_n(ray_serve, tmp_path):
+    out = tmp_path / "capacity.md"
+    argv = ["--streams", "1,3", "--tokens", "12", "--idle-seconds", "0.5"]
+    argv += ["--grpc-port", str(ray_serve.grpc_port), "--out", str(out)]
+    report = capacity_bench.main(argv)
+    assert out.read_text("utf-8") == report
+    assert "(no N = 64 run: targets not checked)" in report
+
+    tables = report.split("## Targets")[0]
+    _, proxy, direct = re.split(r"^## (?:proxy|direct):.*$", tables, flags=re.M)
+    for table in (proxy, direct):
+        assert cells(table, "streams (N)") == ["1", "3"]
+        for label in ("delivered tok/s", "engine alone tok/s", "delivered / engine alone"):
+            assert all(numbers(c)[0] > 0 for c in cells(table, label)), label
+        per_message = [numbers(c)[0] for c in cells(table, "tokens per message")]
+        assert all(1 <= t <= 12 for t in per_message), per_message
+        for process in ("Router", "Decode", "client (this process)"):
+            # /proc counts 10 ms ticks: a short run may show 0, never nothing
+            assert all(numbers(c)[0] >= 0 for c in cells(table, f"{process} CPU µs / token"))
+        for label in ("TTFT p50 / p99 (ms)", "ITL p50 / p99 (ms)"):
+            assert all(len(numbers(c)) == 2 for c in cells(table, label)), label

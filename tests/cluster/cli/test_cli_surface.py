@@ -174,9 +174,11 @@ def test_status_watch_must_be_positive():
         main(["status", "--watch", "0"])
 
 
-def test_serve_refuses_a_bad_config_file_before_ray_starts(tmp_path, capsys):
+def test_serve_refuses_a_bad_config_file_before_ray_starts(tmp_path, capsys, monkeypatch):
     import ray
 
+    started = []  # (the session's Ray may be up already: watch for a start, not the state)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append(a))
     raw = yaml.safe_load(PRODUCTION.read_text())
     raw["applications"][0]["args"]["prefill"]["cache"]["num_blocks"] = "1024"
     bad = tmp_path / "bad.yaml"
@@ -191,4 +193,4 @@ def test_serve_refuses_a_bad_config_file_before_ray_starts(tmp_path, capsys):
     bad.write_text(yaml.safe_dump(raw))
     assert main(["serve", "--config", str(bad)]) == 2
     assert "deployments[Prefill].ray_actor_options" in capsys.readouterr().err
-    assert not ray.is_initialized()
+    assert not started

@@ -19,13 +19,15 @@ def flags(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def test_a_missing_model_dir_is_one_line_and_exit_2_before_ray(capsys):
+def test_a_missing_model_dir_is_one_line_and_exit_2_before_ray(capsys, monkeypatch):
     import ray
 
+    started = []  # (the session's Ray may be up already: watch for a start, not the state)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append(a))
     assert main(["serve", "--model", "/nope"]) == 2
     err = capsys.readouterr().err
     assert err == "error (INVALID_ARGUMENT): model /nope: no such directory\n"
-    assert not ray.is_initialized()
+    assert not started
 
 
 def test_a_hub_id_missing_offline_is_one_line(tmp_path, monkeypatch, capsys):

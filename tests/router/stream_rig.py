@@ -27,7 +27,9 @@ def step_text(i: int) -> str:
     return f"<{i}>"
 
 
-class _Remote:
+class Remote:
+    """Stands in for `handle.method.remote(...)`."""
+
     def __init__(self, fn) -> None:
         self.fn = fn
 
@@ -48,7 +50,7 @@ class StepWorker:
 
     @property
     def colocated(self):
-        return type("C", (), {"generate": _Remote(self._call)})()
+        return type("C", (), {"generate": Remote(self._call)})()
 
     def _call(self, request, route) -> asyncio.Task:
         self.calls.append(asyncio.ensure_future(self._send(request, route)))

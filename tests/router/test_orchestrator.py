@@ -24,18 +24,9 @@ from decode_worker.token_sender import TokenSender
 from router.lease_releases import LeaseReleases
 from router.orchestrator import Orchestrator
 from router.token_stream import TokenStreamServer
+from tests.router.stream_rig import Remote
 
 LAYOUT = KVLayout("m@0", "float32", 2, 2, 8, 16)
-
-
-class _Remote:
-    """Stands in for `handle.method.remote(...)`."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
 
 
 @dataclass
@@ -77,15 +68,15 @@ class FakePools:
 
     @property
     def prefill(self):
-        return type("P", (), {"prefill": _Remote(self._prefill_call)})()
+        return type("P", (), {"prefill": Remote(self._prefill_call)})()
 
     @property
     def decode(self):
-        return type("D", (), {"decode": _Remote(self._call)})()
+        return type("D", (), {"decode": Remote(self._call)})()
 
     @property
     def colocated(self):
-        return type("C", (), {"generate": _Remote(self._call)})()
+        return type("C", (), {"generate": Remote(self._call)})()
 
     def _call(self, payload, route) -> asyncio.Task:
         """A worker call (`DecodeWorker.decode`, `ColocatedWorker.generate`): a task standing

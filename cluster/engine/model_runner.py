@@ -12,7 +12,11 @@ from cluster.engine.scheduler import ScheduledSeq
 from cluster.model.attention import AttentionMetadata, build_decode_group, build_prefill_group
 from cluster.model.decode_attention import select_decode_attention
 from cluster.model.decoder import CausalLM
-from cluster.model.triton_attention import build_varlen_batch, select_varlen_attention
+from cluster.model.triton_attention import (
+    build_varlen_batch,
+    select_varlen_attention,
+    upload,
+)
 from cluster.request import TokenLogprobs
 
 
@@ -129,7 +133,5 @@ class ModelRunner:
 def _to_device(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
     """`lists` as int64 tensors on `device` from one host buffer in one transfer, pinned and
     asynchronous on a GPU (the step's metadata costs no device sync)."""
-    host = torch.tensor([x for xs in lists for x in xs], dtype=torch.long)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split([len(xs) for xs in lists]))
+    flat = upload([x for xs in lists for x in xs], torch.long, device)
+    return list(flat.split([len(xs) for xs in lists]))

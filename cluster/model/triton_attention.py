@@ -50,12 +50,18 @@ def build_varlen_batch(
     rows = [*query_starts, *query_lens, *context_starts]
     for table in block_tables:
         rows += table + [0] * (width - len(table))
-    host = torch.tensor(rows, dtype=torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
+    dev = upload(rows, torch.int32, device)
     tables = dev[3 * b :].view(b, width)
     return VarlenBatch(dev[:b], dev[b : 2 * b], dev[2 * b : 3 * b], tables, max(query_lens))
+
+
+def upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as one tensor on `device`: on a GPU from pinned memory, asynchronously (no
+    device sync)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

@@ -93,19 +93,29 @@ def build_prefill_group(
     )
 
 
+def store_kv(
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] long
+) -> None:
+    """Write the new tokens' keys and values into their pool slots."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
-    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """Store the new keys/values in the pool, then attend every query to its sequence's keys."""
+    """Attend every query to its sequence's keys, the step's own already in the pool
+    (`store_kv`)."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
     if meta.varlen is not None:
         return meta.varlen_attention(q, k_cache, v_cache, meta.varlen, scale)
     d, p = meta.decode, meta.prefill

@@ -4,6 +4,11 @@ Per-architecture differences are explicit switches in `ArchSpec`, read from the 
 QKV bias (Qwen2), q/k RMSNorm (Qwen3), tied embeddings, sliding-window attention (Mistral),
 and the RoPE variant. Module attribute names follow HF so checkpoints load with no renaming;
 once loaded, `fuse_projections` joins q/k/v and gate/up into one GEMM each.
+
+The steps between the GEMMs and attention (residual add + RMSNorm, rope + KV store, SiLU * up)
+run through a kernel set chosen per forward pass from the attention metadata: `EagerKernels`
+(torch ops; the CPU's path and the reference) or, where the runner chose Triton attention,
+`triton_fused.TritonKernels` (one kernel per step).
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.model.attention import AttentionMetadata, paged_attention
+from cluster.model.attention import AttentionMetadata, paged_attention, store_kv
 from cluster.model.info import ArchSpec
 from cluster.model.linear import Linear
 from cluster.model.rope import RopeAngles, RotaryEmbedding
+from cluster.model.triton_fused import TritonKernels
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +33,35 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # HF's order: normalise in fp32, cast back, then scale; one fused op instead of six.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class EagerKernels:
+    """The decoder's steps between GEMMs as torch ops. `TritonKernels` has the same contract."""
+
+    def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype) -> RopeAngles:
+        return rotary(positions, dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual), x + residual)
+        residual = x if residual is None else x + residual
+        return norm(residual), residual
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    def rope_store(self, q, k, v, qk_norm, rope: RopeAngles, kv, slot_mapping) -> torch.Tensor:
+        """Rotate q and k (after their RMSNorms when `qk_norm` is given), store k and v into
+        the pool at `slot_mapping`, return q."""
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
+        q, k = rope.apply(q, k)
+        store_kv(k, v, kv[0], kv[1], slot_mapping)
+        return q
+
+
+Kernels = EagerKernels | TritonKernels
+EAGER, TRITON = EagerKernels(), TritonKernels()
 
 
 class Attention(nn.Module):
@@ -54,9 +89,10 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        angles: RopeAngles,
+        rope,  # the kernel set's: RopeAngles (eager) or RopeLookup (Triton)
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        kernels: Kernels,
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_proj is not None:
@@ -67,10 +103,9 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = angles.apply(q, k)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q = kernels.rope_store(q, k, v, qk_norm, rope, kv, meta.slot_mapping)
+        o = paged_attention(q, kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -88,12 +123,12 @@ class MLP(nn.Module):
         self.gate_up_proj = _fused(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_mul(gate, up))
 
 
 def _fused(*parts: Linear) -> Linear:
@@ -121,9 +156,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, angles, kv, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv, meta, kernels: Kernels):
+        """`x + residual` is the residual stream entering the layer (`x` alone for the first);
+        returns the pair leaving it, the add left to the next norm to fuse."""
+        h, residual = kernels.add_rms_norm(x, residual, self.input_layernorm)
+        x = self.self_attn(h, rope, kv, meta, kernels)
+        h, residual = kernels.add_rms_norm(x, residual, self.post_attention_layernorm)
+        return self.mlp(h, kernels), residual
 
 
 class DecoderModel(nn.Module):
@@ -155,11 +194,14 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
+        # Triton attention was chosen for this step: the fused kernels come with it.
+        kernels = EAGER if meta.varlen is None else TRITON
         x = self.model.embed_tokens(input_ids)
-        angles = self.rotary(positions, x.dtype)
+        rope = kernels.rope(self.rotary, positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, angles, kv, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv, meta, kernels)
+        return kernels.add_rms_norm(x, residual, self.model.norm)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,142 @@
+"""Kernel launches in one decode step (model forward + logits) of the GPU's Triton path, with the
+fused kernels (`cluster/model/triton_fused.py`) and without them (Triton attention, eager torch
+ops for rope + KV store, residual add + RMSNorm and SiLU * up).
+
+    python -m benchmarks.launch_count [--preset small] [--batch 4]
+
+Counted two ways: `dispatched` is every Triton kernel call plus every torch op that is neither a
+view nor an allocation (a TorchDispatchMode; runs anywhere, under Triton's interpreter on a CPU);
+`cuda kernels` is what torch.profiler records on the device (CUDA only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import Counter
+from contextlib import contextmanager
+
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from cluster.engine.engine import Engine  # noqa: E402
+from cluster.model import decoder  # noqa: E402
+from cluster.model.make_model import cached_model  # noqa: E402
+from cluster.model.triton_attention import TritonAttention  # noqa: E402
+from cluster.request import Request  # noqa: E402
+from cluster.sampling_params import SamplingParams  # noqa: E402
+
+# Ops that launch nothing: views are metadata, allocations are the caching allocator's.
+_FREE = {"empty", "empty_like", "empty_strided", "detach", "alias", "lift_fresh", "split"}
+_FREE |= {"split_with_sizes", "chunk", "unbind"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.in_triton = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.in_triton and not func.is_view and name not in _FREE:
+            self.ops[f"aten.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counting():
+    """Count torch ops and Triton launches (not the torch ops the interpreter runs inside one)."""
+    from triton.runtime.jit import KernelInterface
+
+    counter, getitem = LaunchCounter(), KernelInterface.__getitem__
+
+    def launch(kernel, grid):
+        def call(*args, **kwargs):
+            counter.ops[f"triton.{kernel.__name__}"] += 1
+            counter.in_triton = True
+            try:
+                return getitem(kernel, grid)(*args, **kwargs)
+            finally:
+                counter.in_triton = False
+
+        return call
+
+    KernelInterface.__getitem__ = launch
+    try:
+        with counter:
+            yield counter
+    finally:
+        KernelInterface.__getitem__ = getitem
+
+
+def decode_batch(preset: str, batch: int) -> tuple[Engine, object]:
+    """An engine on the Triton path and the ForwardBatch of a decode step of `batch` sequences."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # Plain GEMMs, as on a GPU: the CPU's packed GEMM is a C++ call the dispatch mode cannot see.
+    path = str(cached_model(preset))
+    model = ModelConfig(path, device=device, cuda_graphs=False, packed_weights=False)
+    engine = Engine(EngineConfig(model, CacheConfig(num_blocks=8 * batch), SchedulerConfig()))
+    engine.runner.varlen_attention = TritonAttention(engine.runner.sliding_window)
+    for i in range(batch):
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        engine.add_request(Request(f"r{i}", tuple(range(1, 18 + i)), params))
+    batches, prepare = [], engine.runner.prepare
+    engine.runner.prepare = lambda scheduled: batches.append(prepare(scheduled)) or batches[-1]
+    while len(batches) < 2:  # the prompts' step, then the first decode step
+        engine.step()
+    return engine, batches[-1]
+
+
+def count(engine: Engine, batch, fused: bool) -> tuple[Counter[str], int | None]:
+    model, layers = engine.runner.model, engine.kv_cache.layers()
+    # Unfused: the Triton path as it ran before the fused kernels (eager steps around attention).
+    kernels, decoder.TRITON = decoder.TRITON, decoder.TRITON if fused else decoder.EAGER
+    try:
+
+        def step():
+            return model.logits(model(batch.input_ids, batch.positions, layers, batch.attention))
+
+        with torch.inference_mode():
+            step()  # compile and warm up
+            with counting() as counter:
+                step()
+            cuda = None
+            if torch.cuda.is_available():
+                activities = [torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=activities) as prof:
+                    step()
+                    torch.cuda.synchronize()
+                cuda = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    finally:
+        decoder.TRITON = kernels
+    return counter.ops, cuda
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--top", type=int, default=0, help="also list the N most frequent ops")
+    args = p.parse_args()
+    engine, batch = decode_batch(args.preset, args.batch)
+    layers = engine.runner.model.spec.num_layers
+    print(f"{args.preset}, decode batch {args.batch}, {layers} layers, forward + logits")
+    print(f"{'':10} {'dispatched':>10} {'per layer':>9} {'cuda kernels':>12}")
+    for fused in (False, True):
+        ops, cuda = count(engine, batch, fused)
+        total = sum(ops.values())
+        name = "fused" if fused else "unfused"
+        print(
+            f"{name:10} {total:>10} {total / layers:>9.1f} {cuda if cuda is not None else '-':>12}"
+        )
+        for op, n in ops.most_common(args.top):
+            print(f"    {op} {n}")
+
+
+if __name__ == "__main__":
+    main()

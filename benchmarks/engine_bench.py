@@ -1,6 +1,6 @@
 """Decode and prefill throughput of pdserve's Engine beside transformers, on one CPU checkpoint.
 
-    python -m benchmarks.engine_bench [--quick] [--batches 1,8,32,128] [--out FILE] ...
+    python -m benchmarks.engine_bench [--quick] [--batches 1,8,32,128] [--out FILE] [--json FILE]
 
 Three systems run the same greedy workload (B random prompts of `--prompt-len` tokens, exactly
 `--decode-len` new tokens each, EOS ignored) in the same dtype on the same device: fp32 on the
@@ -19,12 +19,14 @@ decode tok/s counts the tokens produced after that moment over the time to the l
 prefill never leaks into the decode number. The batch-1 bandwidth floor is the checkpoint's
 weight bytes over a measured `dst.copy_(src)` rate on the same device: a batch-1 decode step must
 read every weight. The systems are in `engine_systems`, the measurements in `engine_workload`,
-the report in `engine_report`; the report goes to `benchmarks/results/engine.md` by default.
+the report in `engine_report`; the report goes to `benchmarks/results/engine.md` by default,
+and `--json` writes the same figures machine-readable (`benchmarks.gpu_summary` reads them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_report import render
+from benchmarks.engine_report import figures, render
 from benchmarks.engine_systems import (
     SYSTEMS,
     HFGenerateBatchRunner,
@@ -50,7 +52,10 @@ from benchmarks.engine_workload import (
     measure,
 )
 from benchmarks.report import add_out_option, log, publish
+from cluster.config import GPU_BATCHED_TOKENS
 from cluster.model.make_model import cached_model
+
+CPU_BENCH_TOKENS = 4096  # the CPU figures' budget since the first report: kept comparable
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EngineBenchConfig]:
@@ -66,7 +71,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EngineBenchC
     p.add_argument("--batches", default=None, help="default 1,8,32,128 (1,2 with --quick)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
-        "--batch-tokens", type=int, default=4096, help="tokens/step for pdserve and generate_batch"
+        "--batch-tokens",
+        type=int,
+        default=None,
+        help=f"tokens/step for pdserve and generate_batch (default {CPU_BENCH_TOKENS}; on a GPU "
+        f"{GPU_BATCHED_TOKENS}, what a served GPU engine gets)",
     )
     p.add_argument("--copy-mib", type=int, default=None, help="default 1024 (64 with --quick)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
@@ -79,8 +88,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EngineBenchC
         action="store_true",
         help="pdserve without its packed fp32 GEMM weights (ModelConfig.packed_weights=False)",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, pdserve decodes by replaying CUDA graphs (ModelConfig.cuda_graphs); "
+        "--no-cuda-graphs runs every step eagerly, for the comparison",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: tiny preset, batches 1,2")
     add_out_option(p, "engine")
+    p.add_argument("--json", default=None, help="also write the figures here, as JSON")
     a = p.parse_args(argv)
     q = a.quick
     preset = a.preset or ("tiny" if q else "small")
@@ -96,19 +113,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EngineBenchC
         decode_len=decode_len,
         batches=batches,
         block_size=a.block_size,
-        batch_tokens=a.batch_tokens,
+        batch_tokens=a.batch_tokens
+        or (GPU_BATCHED_TOKENS if a.device.startswith("cuda") else CPU_BENCH_TOKENS),
         copy_mib=a.copy_mib or (64 if q else 1024),
         repeats=a.repeats,
         seed=a.seed,
         device=a.device,
         dtype=a.dtype,
         packed_weights=not a.no_packed_weights,
+        cuda_graphs=a.cuda_graphs,
     )
     return a, cfg
 
 
 def main(argv: list[str] | None = None) -> str:
-    """Run the benchmark; print the Markdown report, write it to `--out` and return it.
+    """Run the benchmark; print the Markdown report, write it to `--out` (and its figures to
+    `--json`) and return it.
     Process-wide settings it changes (torch threads, transformers logging) are restored on the
     way out."""
     from transformers.utils import logging as hf_logging
@@ -123,15 +143,19 @@ def main(argv: list[str] | None = None) -> str:
             torch.set_num_threads(args.threads)
         hf_logging.set_verbosity_error()
         cb_logger.setLevel(logging.CRITICAL)  # psutil and CPU-memory chatter
-        report = run(cfg, argv)
+        report, figs = run(cfg, argv)
     finally:
         torch.set_num_threads(threads)
         hf_logging.set_verbosity(verbosity)
         cb_logger.setLevel(cb_level)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figs, indent=1) + "\n", "utf-8")
     return publish(report, args.out)
 
 
-def run(cfg: EngineBenchConfig, argv: list[str]) -> str:
+def run(cfg: EngineBenchConfig, argv: list[str]) -> tuple[str, dict]:
+    """The Markdown report and the figures (`engine_report.figures`)."""
     from transformers import AutoModelForCausalLM
 
     began = time.perf_counter()
@@ -157,7 +181,11 @@ def run(cfg: EngineBenchConfig, argv: list[str]) -> str:
             )
     bandwidth = copy_bandwidth(cfg)
     elapsed = time.perf_counter() - began
-    return render(cfg, results, pdserve.weight_bytes(), bandwidth, elapsed, argv)
+    weight_bytes = pdserve.weight_bytes()
+    return (
+        render(cfg, results, weight_bytes, bandwidth, elapsed, argv),
+        figures(cfg, results, weight_bytes, bandwidth),
+    )
 
 
 def _timed(runner: Callable[[list[list[int]]], Timeline], name: str, prompts) -> Measurement:

@@ -1,8 +1,10 @@
 """The engine benchmark's Markdown report: tok/s of the three systems side by side, the batch-1
-bandwidth floor and the two targets."""
+bandwidth floor and the two targets; and the same figures as JSON (`figures`), which
+`benchmarks.gpu_summary` reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -62,7 +64,8 @@ def _setup(
         f"- CPUs this process may use: {len(os.sched_getaffinity(0))}",
         f"- {torch.get_num_threads()} torch threads; transformers {transformers.__version__}",
         f"- device: {cfg.device} ({device_name(cfg.device)}), dtype {cfg.dtype}; pdserve "
-        f"packed weights {'on' if cfg.packed_weights else 'off'}",
+        f"packed weights {'on' if cfg.packed_weights else 'off'}, CUDA-graph decode "
+        f"{'on' if cfg.cuda_graphs and cfg.device.startswith('cuda') else 'off'}",
         f"- model: `{cfg.preset}` preset at `{cfg.model_dir}`; a batch-1 step reads "
         f"{weight_bytes / 1e6:,.1f} MB of weights",
         f"- workload: random prompts of {cfg.prompt_len} tokens, {cfg.decode_len} greedy new "
@@ -96,3 +99,30 @@ def _speedup_target(by: dict[str, dict[int, Measurement]]) -> str:
         f"{SPEEDUP_TARGET}x: {pd:,.1f} / {cb:,.1f} = {pd / cb:.2f}x: "
         + ("PASS" if pd / cb >= SPEEDUP_TARGET else "FAIL")
     )
+
+
+def figures(
+    cfg: EngineBenchConfig,
+    results: dict[str, list[Measurement]],
+    weight_bytes: int,
+    bandwidth: float,
+) -> dict:
+    """What `--json` writes: the run's setup, the batch-1 floor and every measurement."""
+    setup = {
+        "preset": cfg.preset,
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "cuda_graphs": cfg.cuda_graphs and cfg.device.startswith("cuda"),
+        "prompt_len": cfg.prompt_len,
+        "decode_len": cfg.decode_len,
+        "batch_tokens": cfg.batch_tokens,
+    }
+    return {
+        **setup,
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth": bandwidth,
+        "floor_step_s": weight_bytes / bandwidth,
+        "results": [
+            {"system": s, **dataclasses.asdict(m)} for s, ms in results.items() for m in ms
+        ],
+    }

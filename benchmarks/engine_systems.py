@@ -30,6 +30,7 @@ class PdserveRunner:
                     dtype=cfg.dtype,
                     device=cfg.device,
                     packed_weights=cfg.packed_weights,
+                    cuda_graphs=cfg.cuda_graphs,
                 ),
                 cache=CacheConfig(block_size=cfg.block_size, num_blocks=biggest * per_seq + 8),
                 scheduler=SchedulerConfig(

@@ -30,6 +30,7 @@ class EngineBenchConfig:
     device: str = "cpu"
     dtype: str = "float32"
     packed_weights: bool = True  # pdserve's ModelConfig.packed_weights
+    cuda_graphs: bool = True  # pdserve's ModelConfig.cuda_graphs (decode graphs on a GPU)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -3,7 +3,9 @@
 #   1. the `gpu`-marked tests, found by their marker (CUDA engine vs the transformers oracle in
 #      fp32 and bf16, KV export and import on the GPU, gRPC and gloo KV transfer between GPU
 #      engines);
-#   2. the engine benchmark on the GPU (bf16, then fp32 at batches 1 and 32);
+#   2. the engine benchmark on the GPU (bf16, then fp32 at batches 1 and 32), with CUDA-graph
+#      decode; engine-eager: the same bf16 run at batches 1 and 32 with --no-cuda-graphs (every
+#      step eager), so the two reports side by side give the graphs' gain;
 #   2b. the KV transports between two processes sharing the GPU (a prefill process and the
 #      decode side, each with its pool in GPU memory): grpc, gloo and nixl (CUDA IPC through
 #      UCX) side by side at 512 and 2,046 tokens, bit-exact; issue 19's targets for nixl are
@@ -25,8 +27,8 @@
 #
 # On 2026-11-30 the tests took 11 s, the engine benchmarks 133 + 21 s and serving-gpu 83 s
 # (then with the colocated app); serving-cpu with 41 disaggregated pairs is not measured yet,
-# hence its limit of 330 s: the five limits add up to 870 s, over one 600-s device call, so run
-# serving-cpu in a call of its own when the engine figures are not needed.
+# hence its limit of 330 s: the six default stages' limits add up to 960 s, over one 600-s
+# device call, so run serving-cpu in a call of its own when the engine figures are not needed.
 #
 # Runs from a checkout without installing pdserve (PYTHONPATH), against whatever torch,
 # transformers, grpcio, msgpack and pytest the machine has. If $PDSERVE_SITE_BUNDLE names a
@@ -35,7 +37,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
-STAGES=${GPU_CHECK_STAGES:-"tests engine kv serving-gpu serving-cpu"}
+STAGES=${GPU_CHECK_STAGES:-"tests engine engine-eager kv serving-gpu serving-cpu"}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -85,6 +87,10 @@ stage tests 150 "$PY" -m pytest -q -p no:cacheprovider -o filterwarnings=ignore:
 stage engine 150 sh -c "$PY -m benchmarks.engine_bench --device cuda --dtype bfloat16 \
     --repeats 2 --out $OUT/engine-gpu-bf16.md && $PY -m benchmarks.engine_bench \
     --device cuda --dtype float32 --batches 1,32 --repeats 2 --out $OUT/engine-gpu-fp32.md"
+
+# Graphs off (ModelConfig.cuda_graphs=false, `pdserve serve --enforce-eager`), for the gain.
+stage engine-eager 90 "$PY" -m benchmarks.engine_bench --device cuda --dtype bfloat16 \
+    --batches 1,32 --no-cuda-graphs --out "$OUT/engine-gpu-bf16-eager.md"
 
 # The 1b preset (Llama-3.2-1B-shaped; weights drawn on the GPU) against its weight-read floor.
 stage engine-1b 150 "$PY" -m benchmarks.engine_bench --preset 1b --device cuda \

@@ -18,6 +18,7 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
+from cluster.engine.cuda_graphs import capture_decode_graphs
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.kv_cache import KVCache, KVExport, KVLayout, kv_pool_blocks
 from cluster.engine.model_runner import ModelRunner
@@ -69,6 +70,15 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.device)
+        if config.model.cuda_graphs and self.runner.varlen_attention is not None:
+            self.runner.graphs = capture_decode_graphs(
+                self.loaded.model,
+                self.kv_cache,
+                self.runner.varlen_attention,
+                config.scheduler.max_num_seqs,
+                self.max_model_len,
+                self.device,
+            )
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StepOutput] = []

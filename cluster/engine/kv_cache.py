@@ -100,10 +100,15 @@ def kv_pool_blocks(
 
 
 class KVCache:
+    """`num_blocks` blocks for the block manager to hand out, and one more after them,
+    `scratch_block`, that no sequence ever owns: the padding rows of a captured decode step
+    (`cluster.engine.cuda_graphs`) store their keys and values there, away from live blocks."""
+
     def __init__(self, layout: KVLayout, num_blocks: int, dtype: torch.dtype, device) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, num_blocks, *layout.block_shape)
+        self.scratch_block = num_blocks
+        shape = (layout.num_layers, num_blocks + 1, *layout.block_shape)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

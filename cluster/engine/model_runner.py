@@ -1,4 +1,7 @@
-"""Run one scheduled batch through the model and sample the sequences that reached their end."""
+"""Run one scheduled batch through the model and sample the sequences that reached their end.
+
+A decode step replays a captured graph where the runner has `graphs` (a GPU, `model.cuda_graphs`,
+see `cluster.engine.cuda_graphs`); everything else runs eagerly."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.engine.cuda_graphs import DecodeGraphs
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.sampler import Sampler
 from cluster.engine.scheduler import ScheduledSeq
@@ -42,6 +46,7 @@ class ModelRunner:
             device, self.sliding_window, self.block_size
         )
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None  # set by the engine once they are captured
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         ids: list[int] = []
@@ -112,14 +117,22 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Compute KV for every scheduled token; return, per sampling seq, the sampled token
         and (if its request asked) the token's logprobs."""
+        if self.graphs is not None and self.graphs.fits(scheduled):
+            return self._sample(self.graphs.run(scheduled), scheduled)
         batch = self.prepare(scheduled)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers(), batch.attention
         )
         if not batch.samplers:
             return [], []
-        logits = self.model.logits(hidden[batch.sample_rows])  # [S, vocab]
-        seqs = [s.seq for s in batch.samplers]
+        return self._sample(self.model.logits(hidden[batch.sample_rows]), batch.samplers)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [S, vocab]
+        samplers: list[ScheduledSeq],
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        seqs = [s.seq for s in samplers]
         tokens = self.sampler(
             logits,
             [q.params for q in seqs],

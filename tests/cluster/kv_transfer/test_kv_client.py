@@ -32,7 +32,8 @@ def test_nixl_registers_the_decode_pool_and_grpc_checksums_only_when_asked() -> 
     layout = KVLayout("m", "float32", 2, 2, 8, 16)
     pool = KVCache(layout, 4, torch.float32, cpu)
     nixl_client = make_kv_client(TransferConfig(transport="nixl"), cpu, max_blocks=4, pool=pool)
-    assert type(nixl_client) is NixlKVClient and nixl_client.region.num_blocks == 4
+    # the whole pool tensor: its 4 blocks and the scratch block after them
+    assert type(nixl_client) is NixlKVClient and nixl_client.region.num_blocks == 5
     assert nixl_client.region.mem_type == "DRAM"
     asyncio.run(nixl_client.close())
     plain = make_kv_client(TransferConfig(transport="grpc"), cpu, max_blocks=8)

@@ -1,0 +1,193 @@
+"""Decode steps replayed from graphs (`cluster/engine/cuda_graphs.py`) give the tokens eager steps
+give, and their padding rows never touch a live KV block.
+
+On the CPU the engine runs the GPU's attention path (the Triton kernel, under Triton's
+interpreter: tests/conftest.py) with `replay_by_calling` standing in for a CUDA graph capture:
+the same static buffers, bucket choice and padding, each replay running the captured callable
+again. The `gpu` tests capture real CUDA graphs (`model.cuda_graphs`, on by default) and compare
+them with `cuda_graphs=False` on every architecture, in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from cluster.engine.cuda_graphs import capture_decode_graphs, capture_sizes, replay_by_calling
+from cluster.engine.engine import Engine
+from cluster.model.triton_attention import TritonAttention
+from cluster.request import Request, RequestOutput
+from tests.cluster.engine.test_engine_bf16 import assert_argmax_up_to_rounding
+from tests.conftest import ARCHS, drive, greedy, prompt, record_plans, step_into
+
+pytest.importorskip("triton")
+
+MAX_SEQS = 8  # buckets 1, 2, 4, 8
+SETTINGS = dict(block_size=16, max_num_batched_tokens=24, max_num_seqs=MAX_SEQS)
+
+
+@dataclass
+class Replays:
+    """The (sequences, bucket) of every graph replay of an engine."""
+
+    log: list[tuple[int, int]] = field(default_factory=list)
+
+
+def on_the_cpu_with_graphs(engine: Engine) -> Replays:
+    """Put a CPU engine on the GPU's attention path with decode graphs (`replay_by_calling`);
+    what it replays is logged in the returned `Replays`."""
+    runner = engine.runner
+    runner.varlen_attention = TritonAttention(runner.sliding_window)
+    runner.graphs = capture_decode_graphs(
+        runner.model,
+        engine.kv_cache,
+        runner.varlen_attention,
+        engine.config.scheduler.max_num_seqs,
+        engine.max_model_len,
+        engine.device,
+        capture=replay_by_calling,
+    )
+    return watch(engine)
+
+
+def watch(engine: Engine) -> Replays:
+    graphs, replays = engine.runner.graphs, Replays()
+    run = graphs.run
+
+    def logged(scheduled):
+        replays.log.append((len(scheduled), graphs.bucket(len(scheduled))))
+        return run(scheduled)
+
+    graphs.run = logged
+    return replays
+
+
+def workload(engine: Engine) -> dict[str, RequestOutput]:
+    """Sequences finishing at different steps (batches that pad to a bucket), others joining
+    between steps, a chunked 40-token prompt, and decodes that cross into a new KV block
+    (block tables that grow during decode)."""
+    first = [
+        Request("long", prompt(40, seed=1), greedy(10)),
+        Request("cross", prompt(14, seed=2), greedy(8)),  # positions 14..21: a second block
+        Request("brief", prompt(1, seed=3), greedy(3)),
+    ]
+    later = [
+        Request("late", prompt(9, seed=4), greedy(9)),
+        Request("later", prompt(30, seed=5), greedy(5)),
+        Request("also", prompt(3, seed=6), greedy(7)),
+    ]
+    results: dict[str, RequestOutput] = {}
+    for r in first:
+        engine.add_request(r)
+    for _ in range(5):
+        step_into(engine, results)
+    for r in later:
+        engine.add_request(r)
+    return drive(engine, results)
+
+
+def prompts_of() -> dict[str, tuple[int, ...]]:
+    seeds = {"long": (40, 1), "cross": (14, 2), "brief": (1, 3), "late": (9, 4)}
+    seeds |= {"later": (30, 5), "also": (3, 6)}
+    return {rid: prompt(n, seed=s) for rid, (n, s) in seeds.items()}
+
+
+def test_capture_sizes_are_vllms_buckets_up_to_max_num_seqs():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(128) == [1, 2, 4, *range(8, 129, 8)]
+    assert capture_sizes(300)[-5:] == [248, 256, 272, 288, 300]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_replayed_decode_steps_give_the_eager_tokens(arch, model_dir, make_engine, hf):
+    path = model_dir(arch)
+    graphed, eager = make_engine(path, **SETTINGS), make_engine(path, **SETTINGS)
+    replays = on_the_cpu_with_graphs(graphed)
+    eager.runner.varlen_attention = TritonAttention(eager.runner.sliding_window)
+    plans = record_plans(graphed)
+    got, want = workload(graphed), workload(eager)
+    decode_steps = [p for p in plans if p.scheduled and p.num_tokens == len(p.scheduled)]
+    assert len(replays.log) == len(decode_steps)  # every pure decode step, and only those
+    assert any(n < bucket for n, bucket in replays.log)  # some were padded
+    assert {bucket for _, bucket in replays.log} >= {2, 4, 8}
+    for rid, ids in prompts_of().items():
+        assert got[rid].token_ids == want[rid].token_ids, rid
+        hf.assert_greedy(path, ids, got[rid].token_ids, len(got[rid].token_ids))
+
+
+def pool_slots(engine: Engine) -> torch.Tensor:
+    """Keys and values of every slot of the pool, one row per (layer, slot): `[2, L, slots, -1]`."""
+    k, v = engine.kv_cache.k, engine.kv_cache.v
+    return torch.stack([k, v]).flatten(2, 3).flatten(3).cpu().clone()
+
+
+def check_padding_stays_in_scratch(engine: Engine, replays: Replays) -> None:
+    """Step `engine` through `workload`; at every padded replay, only the slots of the step's
+    new tokens and the scratch block may change."""
+    bs, block = engine.layout.block_size, engine.kv_cache.scratch_block
+    scratch = set(range(block * bs, (block + 1) * bs))
+    schedule, step, written, padded = engine.scheduler.schedule, engine.step, [], []
+
+    def schedule_and_note_slots():
+        plan = schedule()
+        written[:] = [s.seq.block_table[s.start // bs] * bs + s.start % bs for s in plan.scheduled]
+        return plan
+
+    def checked_step():
+        before, seen = pool_slots(engine), len(replays.log)
+        out = step()
+        if len(replays.log) > seen and replays.log[-1][0] < replays.log[-1][1]:
+            after = pool_slots(engine)
+            changed = set(
+                (after != before).any(dim=3).any(dim=1).any(dim=0).nonzero()[:, 0].tolist()
+            )
+            assert changed <= set(written) | scratch
+            assert set(written) <= changed  # the live rows did write their KV
+            padded.append(replays.log[-1])
+        return out
+
+    engine.scheduler.schedule, engine.step = schedule_and_note_slots, checked_step
+    workload(engine)
+    assert padded, "no padded replay happened"
+    assert pool_slots(engine)[:, :, sorted(scratch)].abs().sum() > 0  # the padding wrote there
+
+
+def test_padding_rows_write_only_the_scratch_block(model_dir, make_engine):
+    engine = make_engine(model_dir("llama-gqa"), **SETTINGS)
+    check_padding_stays_in_scratch(engine, on_the_cpu_with_graphs(engine))
+
+
+# -- real CUDA graphs ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_cuda_graph_decode_gives_the_eager_tokens(arch, dtype, model_dir, make_engine):
+    """Exact in fp32. In bf16, a padded replay runs its GEMMs at the bucket's row count, which
+    may round differently from the eager step's; where the tokens then part, the graph's run
+    must still be greedy up to bf16 rounding (test_engine_bf16.py's teacher-forced check)."""
+    path = model_dir(arch)
+    kw = dict(SETTINGS, device="cuda", dtype=dtype, num_blocks=64)  # not sized from memory
+    graphed = make_engine(path, **kw)
+    eager = make_engine(path, cuda_graphs=False, **kw)
+    assert graphed.runner.graphs is not None and eager.runner.graphs is None
+    replays = watch(graphed)
+    got, want = workload(graphed), workload(eager)
+    assert any(n < bucket for n, bucket in replays.log)
+    for rid, ids in prompts_of().items():
+        tokens = got[rid].token_ids
+        if dtype == "float32" or tokens == want[rid].token_ids:
+            assert tokens == want[rid].token_ids, rid
+        else:
+            assert_argmax_up_to_rounding(path, "cuda", ids, tokens)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_padding_rows_write_only_the_scratch_block(model_dir, make_engine):
+    engine = make_engine(model_dir("llama-gqa"), device="cuda", num_blocks=64, **SETTINGS)
+    check_padding_stays_in_scratch(engine, watch(engine))

@@ -40,10 +40,12 @@ class Tally:
             self._observe("pdserve_time_to_first_token_seconds", now - self.start)
         else:
             self.decode_replica = chunk.replica_id
-            if out.token_ids:  # the gap, shared by the chunk's tokens: one value per token
+            if out.token_ids and self.metrics is not None:
+                # the gap, shared by the chunk's tokens: one value per token
+                itl = self.metrics.histogram_recorder("pdserve_inter_token_latency_seconds")
                 gap = (now - self.last_at) / len(out.token_ids)
                 for _ in out.token_ids:
-                    self._observe("pdserve_inter_token_latency_seconds", gap)
+                    itl(gap)
         self.last_at = now
         self.queue += chunk.queue_seconds
         self.prefill += chunk.prefill_seconds
@@ -86,6 +88,15 @@ class Tally:
         if self.metrics is None:
             return
         self.metrics.observe("pdserve_e2e_request_latency_seconds", now - self.start)
+        decode = now - self.first_token_at  # as `Timing.decode_seconds`
+        after_first = self.completion_tokens - 1
+        self.metrics.observe("pdserve_decode_time_seconds", decode)
+        self.metrics.observe("pdserve_inference_time_seconds", self.prefill + decode)
+        self.metrics.observe(
+            "pdserve_request_time_per_output_token_seconds",
+            decode / after_first if after_first > 0 else 0.0,
+        )
+        self.metrics.observe("pdserve_request_max_tokens", self.request.params.max_tokens)
         self.metrics.inc("pdserve_prompt_tokens_total", len(self.request.prompt_token_ids))
         self.metrics.inc("pdserve_cached_prompt_tokens_total", self.cached_prompt_tokens)
         self.metrics.inc("pdserve_generation_tokens_total", self.completion_tokens)

@@ -28,20 +28,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default="",
         help="the name clients call the model by (default: the hub id, or the directory's name)",
     )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="torch device: auto (cuda where torch sees a GPU, else cpu), cpu or cuda; cuda "
-        "gives each engine replica one GPU",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
-        help="weights and KV cache; auto = bfloat16 on a GPU, float32 on the CPU",
-    )
+    add_device_arguments(p)
     p.add_argument(
         "--max-model-len", type=int, default=0, help="context limit; 0 = the checkpoint's"
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every engine step eagerly: no CUDA graphs for decode on a GPU "
+        "(model.cuda_graphs: false)",
     )
     p.add_argument("--max-num-seqs", type=int, default=128, help="sequences per engine batch")
     p.add_argument(
@@ -74,6 +69,23 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_arguments(p: argparse._ActionsContainer) -> None:
+    """`--device` and `--dtype`, "auto" by default: `ModelConfig.on_device` decides them (cuda
+    and bfloat16 where torch sees a GPU, else cpu and float32), for `serve` and `generate`."""
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="torch device: auto (cuda where torch sees a GPU, else cpu), cpu or cuda; under "
+        "serve, cuda gives each engine replica one GPU",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="weights and KV cache; auto = bfloat16 on a GPU, float32 on the CPU",
+    )
+
+
 def model_from_flags(args: argparse.Namespace, base: ModelConfig) -> ModelConfig:
     return replace(
         base,
@@ -82,6 +94,7 @@ def model_from_flags(args: argparse.Namespace, base: ModelConfig) -> ModelConfig
         device=args.device,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        cuda_graphs=base.cuda_graphs and not args.enforce_eager,
     )
 
 

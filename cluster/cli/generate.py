@@ -10,6 +10,8 @@ import json
 import sys
 import uuid
 
+from cluster.cli.engine_flags import add_device_arguments
+from cluster.config import ModelConfig
 from cluster.request import TokenLogprobs
 
 
@@ -59,8 +61,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     local.add_argument(
         "--model", default=None, help="HF checkpoint dir (default: the embedded tiny model)"
     )
-    local.add_argument("--device", default="cpu", help="torch device")
-    local.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    add_device_arguments(local)
 
 
 def generate_main(args: argparse.Namespace) -> int:
@@ -131,15 +132,21 @@ def _remote(args: argparse.Namespace, token_ids: list[int] | None) -> int:
     return 0
 
 
-def _local(args: argparse.Namespace, ids: list[int] | None) -> int:
-    from cluster.config import EngineConfig, ModelConfig
-    from cluster.engine.engine import Engine
+def local_model(args: argparse.Namespace) -> ModelConfig:
+    """`--local`'s model, its device and dtype decided as `pdserve serve` decides them."""
     from cluster.model.make_model import default_model_dir
+
+    model = args.model or str(default_model_dir())
+    return ModelConfig(model, dtype=args.dtype, device=args.device).on_device()
+
+
+def _local(args: argparse.Namespace, ids: list[int] | None) -> int:
+    from cluster.config import EngineConfig
+    from cluster.engine.engine import Engine
     from cluster.request import Request, RequestOutput
     from cluster.sampling_params import SamplingParams
 
-    model = args.model or str(default_model_dir())
-    engine = Engine(EngineConfig(ModelConfig(model, dtype=args.dtype, device=args.device)))
+    engine = Engine(EngineConfig(local_model(args)))
     if ids is None:
         if engine.tokenizer is None:
             raise SystemExit("this checkpoint has no tokenizer: use --prompt-token-ids")

@@ -9,14 +9,18 @@ records each observation again under vLLM's names, labelled with the served mode
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from cluster.serving.metric_recorder import fan_out, recorder
 from cluster.serving.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ]  # fmt: skip
 _BYTES_BUCKETS = [2.0**k for k in range(10, 34, 2)]
+_TOKEN_BUCKETS = [float(m * 10**e) for e in range(7) for m in (1, 2, 5)]  # 1 .. 5M
 
 # name -> (kind, description, tag keys); every metric also has Serve's own tags.
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -25,6 +29,22 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "pdserve_e2e_request_latency_seconds": ("histogram", "End-to-end request time", ("pool",)),
     "pdserve_queue_time_seconds": ("histogram", "Time waiting for an engine step", ("pool",)),
     "pdserve_prefill_time_seconds": ("histogram", "Prompt computation time", ("pool",)),
+    "pdserve_decode_time_seconds": (
+        "histogram",
+        "First token to last, once per request",
+        ("pool",),
+    ),
+    "pdserve_inference_time_seconds": (
+        "histogram",
+        "Prefill time plus decode time, once per request",
+        ("pool",),
+    ),
+    "pdserve_request_time_per_output_token_seconds": (
+        "histogram",
+        "Decode time over the output tokens after the first, once per request (0 for one token)",
+        ("pool",),
+    ),
+    "pdserve_request_max_tokens": ("histogram", "max_tokens the request asked for", ("pool",)),
     "pdserve_kv_transfer_time_seconds": ("histogram", "KV fetch + import time", ("pool",)),
     "pdserve_kv_transfer_bytes_total": ("counter", "KV bytes moved between pools", ("pool",)),
     "pdserve_kv_transfer_failures_total": ("counter", "Failed KV fetches", ("pool", "code")),
@@ -82,6 +102,7 @@ class PoolMetrics:
         for m in self._m.values():
             m.set_default_tags({"pool": pool})
         self._vllm = VllmMetrics(model_name)
+        self._recorders: dict[tuple, Callable[[float], None]] = {}
 
     def observe(self, name: str, value: float, **tags: str) -> None:
         self._m[name].observe(value, tags=tags or None)
@@ -96,6 +117,18 @@ class PoolMetrics:
         self._m[name].set(value)
         self._vllm.mirror(name, value, {})
 
+    def histogram_recorder(self, name: str, **tags: str) -> Callable[[float], None]:
+        """`observe(name, value, **tags)` as one function of `value`, for values recorded per
+        token: the tags are merged and checked once here instead of at every value, for the
+        histogram and each vLLM histogram it is mirrored under (about 1.5 µs per series and
+        value instead of 5)."""
+        key = (name, *sorted(tags.items()))
+        made = self._recorders.get(key)
+        if made is None:
+            made = fan_out([recorder(self._m[name], tags), *self._vllm.recorders(name, tags)])
+            self._recorders[key] = made
+        return made
+
 
 def pool_metric(name: str, pool: str):
     """One of `METRICS` on its own, tagged with `pool`: for a pool's metric that another
@@ -107,7 +140,12 @@ def pool_metric(name: str, pool: str):
 
 def _make(name: str, kind: str, description: str, tag_keys: tuple[str, ...]):
     if kind == "histogram":
-        buckets = _BYTES_BUCKETS if name.endswith("_bytes") else _LATENCY_BUCKETS
+        if name.endswith("_tokens"):
+            buckets = _TOKEN_BUCKETS
+        elif name.endswith("_bytes"):
+            buckets = _BYTES_BUCKETS
+        else:
+            buckets = _LATENCY_BUCKETS
         return Histogram(name, description, boundaries=buckets, tag_keys=tag_keys)
     if kind == "counter":
         return Counter(name, description, tag_keys=tag_keys)

@@ -17,11 +17,13 @@ under the vLLM names `MIRRORS` maps it to, so the two never disagree.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from cluster.config import ModelConfig
+from cluster.serving.metric_recorder import recorder
 
 _TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -95,6 +97,18 @@ VLLM_METRICS: dict[str, VllmMetric] = {
     "vllm:request_prefill_time_seconds": VllmMetric(
         "histogram", _LATENCY_HELP.format("PREFILL"), _REQUEST_LATENCY_BUCKETS
     ),
+    "vllm:request_decode_time_seconds": VllmMetric(
+        "histogram", _LATENCY_HELP.format("DECODE"), _REQUEST_LATENCY_BUCKETS
+    ),
+    "vllm:request_inference_time_seconds": VllmMetric(
+        "histogram", _LATENCY_HELP.format("RUNNING"), _REQUEST_LATENCY_BUCKETS
+    ),
+    "vllm:request_time_per_output_token_seconds": VllmMetric(
+        "histogram", "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS
+    ),
+    "vllm:request_params_max_tokens": VllmMetric(
+        "histogram", "Histogram of the max_tokens request parameter.", _TOKEN_BUCKETS
+    ),
 }
 
 # pdserve metric -> the vLLM metrics each of its observations is also recorded under.
@@ -113,6 +127,15 @@ MIRRORS: dict[str, tuple[str, ...]] = {
         "vllm:time_per_output_token_seconds",
     ),
     "pdserve_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    # ... and its phases once it had a first token: decode is first token to last, inference
+    # the prompt's computation plus decode (vLLM's identity), TPOT decode over the tokens after
+    # the first (0 for a single token, as vLLM records it).
+    "pdserve_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "pdserve_inference_time_seconds": ("vllm:request_inference_time_seconds",),
+    "pdserve_request_time_per_output_token_seconds": (
+        "vllm:request_time_per_output_token_seconds",
+    ),
+    "pdserve_request_max_tokens": ("vllm:request_params_max_tokens",),
     # The router adds these once per finished request, so each addition is also one
     # observation of that request's prompt or output length.
     "pdserve_prompt_tokens_total": (
@@ -166,6 +189,16 @@ class VllmMetrics:
                     metric.inc(value, tags=kept)
             else:
                 metric.set(value, tags=kept)
+
+    def recorders(self, name: str, tags: dict[str, str]) -> list[Callable[[float], None]]:
+        """For the pdserve histogram `name` with `tags`: a function of the value for each vLLM
+        histogram `mirror` would record it under (`metrics.PoolMetrics.histogram_recorder`)."""
+        renamed = {_TAG_NAMES.get(k, k): v for k, v in tags.items()}
+        return [
+            recorder(self._m[target], {k: v for k, v in renamed.items() if k in spec.tags})
+            for target in MIRRORS.get(name, ())
+            if (spec := VLLM_METRICS[target]).kind == "histogram"
+        ]
 
 
 def _make(name: str, spec: VllmMetric):

@@ -92,6 +92,9 @@ class RecordingMetrics:
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
         pass
 
+    def histogram_recorder(self, name: str, **tags: str):
+        return lambda value: self.observe(name, value)
+
 
 def model_info() -> ModelInfo:
     spec = ArchSpec(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from cluster.cli.main import main
+from cluster.cli.generate import local_model
+from cluster.cli.main import build_parser, main
 from cluster.config import EngineConfig, ModelConfig
 from cluster.engine.engine import Engine
 from cluster.request import Request
@@ -113,3 +115,21 @@ def test_serve_flag_turns_prefix_affinity_routing_off_for_the_prefilling_pools()
 def test_bench_and_phases_refuse_bad_limits_before_calling_anyone(command, args, message):
     with pytest.raises(SystemExit, match=message):
         main([command, "--target", "127.0.0.1:1", *args])
+
+
+@pytest.mark.parametrize(
+    ("cuda", "flags", "want"),
+    [
+        (True, [], ("cuda", "bfloat16")),
+        (False, [], ("cpu", "float32")),
+        (True, ["--dtype", "float16"], ("cuda", "float16")),
+        (True, ["--device", "cpu"], ("cpu", "float32")),
+    ],
+)
+def test_generate_local_decides_device_and_dtype_as_serve_does(monkeypatch, cuda, flags, want):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    args = build_parser().parse_args(["generate", "--local", "--model", "/m", *flags, "Hi"])
+    model = local_model(args)
+    assert (model.device, model.dtype) == want
+    serve = build_parser().parse_args(["serve", "--model", "/m", *flags])
+    assert (serve.device, serve.dtype) == (args.device, args.dtype)  # the same flags

@@ -6,26 +6,32 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
 
 from cluster.config import ModelConfig
+from cluster.request import Request, StepOutput
+from cluster.sampling_params import SamplingParams
 from cluster.serving import metrics, vllm_metrics
 from cluster.serving.metrics import METRICS, PoolMetrics
+from cluster.serving.pool_messages import WorkerChunk
 from cluster.serving.vllm_metrics import (
     MIRRORS,
     VLLM_METRICS,
     ray_metric_name,
     served_model_name,
 )
+from router import tally
 
 RAY_SERVE_LLM_PANELS = (
     Path(ray.__file__).parent / "dashboard/modules/metrics/dashboards/serve_llm_dashboard_panels.py"
 )
 # What the Serve LLM dashboard shows that pdserve has, as its panels name them (a histogram's
 # base name where a helper adds the suffix): its model and worker pickers (request prompt
-# tokens), throughput, latency, cache, scheduler, finish reasons, queue and prefill time.
+# tokens), throughput, latency, cache, scheduler, finish reasons, queue, prefill and decode time,
+# per-request TPOT.
 DASHBOARD_NAMES = {
     "ray_vllm_request_prompt_tokens_sum",
     "ray_vllm_generation_tokens_total",
@@ -40,6 +46,8 @@ DASHBOARD_NAMES = {
     "ray_vllm_request_success_total",
     "ray_vllm_request_queue_time_seconds_sum",
     "ray_vllm_request_prefill_time_seconds_sum",
+    "ray_vllm_request_decode_time_seconds_sum",
+    "ray_vllm_request_time_per_output_token_seconds",
     "ray_vllm_request_generation_tokens",
 }
 
@@ -158,3 +166,44 @@ def test_engine_figures_and_phases_are_recorded_under_both_names(made):
     assert made["vllm_generation_tokens_total"].records == []
     vllm_records = [r for name, x in made.items() if name.startswith("vllm_") for r in x.records]
     assert len(vllm_records) == 5
+
+
+def test_the_router_records_each_requests_phases_once_at_its_finish(made, monkeypatch):
+    # A request arrives at t=1.0; its first token (after 0.1 s queued, 0.3 s of prefill) reaches
+    # the router at 1.5, two more at 1.6 and the last, at its max_tokens, at 2.0.
+    clock = iter([1.5, 1.6, 2.0])
+    monkeypatch.setattr(tally, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    request = Request("r1", tuple(range(12)), SamplingParams(max_tokens=4))
+    t = tally.Tally(request, 1.0, PoolMetrics("router", "tiny-v1"))
+    t.add(WorkerChunk(StepOutput("r1", (5,), "a"), "p0", queue_seconds=0.1, prefill_seconds=0.3))
+    t.add(WorkerChunk(StepOutput("r1", (6, 7), "bc"), "d0"))
+    last = t.add(WorkerChunk(StepOutput("r1", (8,), "d", "length"), "d0"))
+    model = {"model_name": "tiny-v1", "engine": "0"}
+
+    def vllm(name: str) -> list[float]:
+        records = made[ray_metric_name(f"vllm:{name}")].records
+        assert all(tags == model for _, tags in records), name
+        return [value for value, _ in records]
+
+    assert len(vllm("inter_token_latency_seconds")) == 3  # one per token after the first
+    # The rest once per request, the decode time as the request's Timing says.
+    assert vllm("request_decode_time_seconds") == pytest.approx([last.timing.decode_seconds])
+    assert vllm("request_decode_time_seconds") == pytest.approx([0.5])
+    assert vllm("request_inference_time_seconds") == pytest.approx([0.3 + 0.5])
+    assert vllm("request_time_per_output_token_seconds") == pytest.approx([0.5 / 3])
+    assert vllm("request_params_max_tokens") == [4]
+    assert vllm("e2e_request_latency_seconds") == pytest.approx([1.0])
+    assert vllm("request_prompt_tokens") == [12]
+    assert vllm("request_generation_tokens") == [4]
+    for name in ("decode_time_seconds", "request_time_per_output_token_seconds"):
+        assert len(made[f"pdserve_{name}"].records) == 1, name
+
+
+def test_a_single_token_requests_tpot_is_zero_as_vllm_records_it(made, monkeypatch):
+    clock = iter([1.5])
+    monkeypatch.setattr(tally, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    t = tally.Tally(Request("r1", (1, 2), SamplingParams(max_tokens=1)), 1.0, PoolMetrics("router"))
+    t.add(WorkerChunk(StepOutput("r1", (5,), "a", "length"), "p0", prefill_seconds=0.2))
+    assert made["vllm_request_time_per_output_token_seconds"].records[0][0] == 0.0
+    assert made["vllm_request_decode_time_seconds"].records[0][0] == 0.0
+    assert made["vllm_request_inference_time_seconds"].records[0][0] == pytest.approx(0.2)

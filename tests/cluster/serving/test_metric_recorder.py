@@ -1,0 +1,69 @@
+"""`metric_recorder.recorder` records exactly what `Histogram.observe` records (the same value
+and merged tags reach Ray's recording call), and refuses missing tags as `observe` does."""
+
+from __future__ import annotations
+
+import pytest
+from ray.serve.metrics import Histogram
+
+from cluster.serving.metric_recorder import fan_out, recorder
+from cluster.serving.metrics import PoolMetrics
+
+
+class Spy:
+    """Stands for Ray's recording object behind a histogram: keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, dict]] = []
+
+    def record(self, value, tags=None) -> None:
+        self.calls.append((value, dict(tags)))
+
+
+def _histogram(name: str) -> tuple[Histogram, Spy]:
+    h = Histogram(name, "test", boundaries=[0.1, 1.0], tag_keys=("pool", "reason"))
+    h.set_default_tags({"pool": "router"})
+    spy = Spy()
+    h._metric = spy
+    return h, spy
+
+
+def test_recorder_records_what_observe_records():
+    h, spy = _histogram("pdserve_test_recorder_same")
+    h.observe(0.25, tags={"reason": "stop"})
+    recorder(h, {"reason": "stop"})(0.25)
+    assert spy.calls[0] == spy.calls[1] == (0.25, {"pool": "router", "reason": "stop"})
+
+
+def test_recorder_refuses_a_missing_tag_when_made():
+    h, _ = _histogram("pdserve_test_recorder_missing")
+    with pytest.raises(ValueError, match="reason"):
+        recorder(h, {})
+
+
+def test_fan_out_records_with_each():
+    (a, spy_a), (b, spy_b) = _histogram("pdserve_test_fan_a"), _histogram("pdserve_test_fan_b")
+    record = fan_out([recorder(a, {"reason": "x"}), recorder(b, {"reason": "y"})])
+    record(1.5)
+    assert spy_a.calls == [(1.5, {"pool": "router", "reason": "x"})]
+    assert spy_b.calls == [(1.5, {"pool": "router", "reason": "y"})]
+
+
+def test_pool_metrics_recorder_reaches_the_pdserve_series_and_its_vllm_mirrors():
+    metrics = PoolMetrics("router", "my-model")
+    name = "pdserve_inter_token_latency_seconds"
+    spies = {name: Spy()}
+    metrics._m[name]._metric = spies[name]
+    for target, metric in metrics._vllm._m.items():
+        spies[target] = Spy()
+        metric._metric = spies[target]
+    record = metrics.histogram_recorder(name)
+    assert metrics.histogram_recorder(name) is record  # made once per series and tags
+    record(0.01)
+    record(0.02)
+    got = {n: s.calls for n, s in spies.items() if s.calls}
+    assert [v for v, _ in got.pop(name)] == [0.01, 0.02]
+    assert set(got) == {"vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"}
+    for calls in got.values():
+        assert [v for v, _ in calls] == [0.01, 0.02]
+        assert all(tags["model_name"] == "my-model" for _, tags in calls)

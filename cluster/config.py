@@ -117,9 +117,8 @@ class ModelConfig:
     # (cluster/model/linear.py), which makes the GEMMs of decode batches of 4-96 sequences
     # 5-35% faster and costs about as much memory again as the weights.
     packed_weights: bool = True
-    # On a GPU (the Triton attention path), decode steps replay CUDA graphs captured at engine
-    # start per batch-size bucket (cluster/engine/cuda_graphs.py); false = every step eager,
-    # as vLLM's --enforce-eager. Prefill and the CPU always run eagerly.
+    # On a GPU (Triton attention path) decode steps replay CUDA graphs captured per batch-size
+    # bucket (cluster/engine/cuda_graphs.py); false: all eager (vLLM's --enforce-eager).
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:

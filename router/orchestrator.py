@@ -39,6 +39,7 @@ from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
 from cluster.serving.stats_registry import registry
+from router.deadline import Deadline
 from router.generation_chunk import GenerationChunk
 from router.generation_service import ServedModel
 from router.lease_releases import LeaseReleases
@@ -154,33 +155,32 @@ class Orchestrator:
         """Stream the request's chunks. Raises a PdServeError before the first chunk for
         refused requests; DeadlineExceeded once `request_timeout_seconds` has passed."""
         start = time.monotonic()
-        deadline = start + self.config.request_timeout_seconds
         tally = Tally(request, start, self.metrics)
         steps = (
             self._colocated(request, tally)
             if self.config.mode == "colocated"
             else self._disaggregated(request, tally)
         )
+        deadline = Deadline(start + self.config.request_timeout_seconds)
         try:
-            while True:
-                if time.monotonic() >= deadline:
-                    raise DeadlineExceeded(
-                        f"request took longer than {self.config.request_timeout_seconds}s"
-                    )
+            while not deadline.expired:
                 try:
-                    # A timer, not `wait_for`'s task per chunk: this runs for every message.
-                    async with asyncio.timeout_at(_loop_time(deadline)):
+                    with deadline:
                         chunk = await anext(steps)
                 except StopAsyncIteration:
                     return
                 except BackPressureError as e:  # a pool's queue is full: refuse, don't wait
                     raise ResourceExhausted(f"the cluster is at capacity: {e}") from None
-                except TimeoutError:
-                    raise DeadlineExceeded(
-                        f"request took longer than {self.config.request_timeout_seconds}s"
-                    ) from None
+                except asyncio.CancelledError:
+                    if not deadline.cancelled_it():
+                        raise
+                    break
                 yield tally.add(chunk)
+            raise DeadlineExceeded(
+                f"request took longer than {self.config.request_timeout_seconds}s"
+            )
         finally:
+            deadline.close()
             await steps.aclose()
 
     async def _colocated(self, request: Request, tally: Tally) -> AsyncIterator[WorkerChunk]:
@@ -288,12 +288,9 @@ class Orchestrator:
         """Let the lease releases on their way go out; close the KV client."""
         await self.leases.close()
 
-    async def _decode(self, request: Request, result: PrefillResult) -> AsyncIterator[WorkerChunk]:
+    def _decode(self, request: Request, result: PrefillResult) -> AsyncIterator[WorkerChunk]:
         decode_request = DecodeRequest(request, result.handle, result.first.token_ids[0])
-        relay = self._relay(request.request_id, self.decode.decode, decode_request)
-        async with aclosing(relay) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        return self._relay(request.request_id, self.decode.decode, decode_request)
 
     async def _relay(self, request_id: str, method, payload) -> AsyncIterator[WorkerChunk]:
         """Call a worker's streaming method (`method.remote(payload, route)`, a Serve handle
@@ -356,11 +353,6 @@ def _first_chunk(result: PrefillResult) -> WorkerChunk:
 def _resumed(request: Request, done: list[int]) -> Request:
     """`request`, to go on after the tokens `done` the client already has."""
     return replace(request, output_token_ids=tuple(done)) if done else request
-
-
-def _loop_time(monotonic_at: float) -> float:
-    """The running loop's clock reading at `time.monotonic()` reading `monotonic_at`."""
-    return asyncio.get_running_loop().time() + (monotonic_at - time.monotonic())
 
 
 def _outcome_seen(call: asyncio.Future) -> None:

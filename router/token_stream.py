@@ -81,7 +81,7 @@ class Subscription:
         return merge_chunks(chunks)
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self.server.loop.create_future()
         try:
             await self._waiter
         finally:
@@ -104,10 +104,12 @@ class TokenStreamServer:
         self.grace_s = grace_s
         self.endpoint = ""
         self._subs: dict[str, Subscription] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once started
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task] = set()
 
     async def start(self) -> str:
+        self.loop = asyncio.get_running_loop()
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
         self.endpoint = f"{self.host}:{port}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
+from typing import NoReturn
 
 import msgpack
 
@@ -31,6 +32,7 @@ KEY_BYTES = 16
 MAX_TOP_LOGPROBS = 20
 _ITEM_FIELDS = 14
 _FINISH = frozenset(("stop", "length", "abort", "prefilled"))
+_COUNT_END = 1 << 62  # token ids and counts are below this
 
 
 def merge_chunks(chunks: list[WorkerChunk]) -> WorkerChunk:
@@ -132,20 +134,36 @@ def decode_items(payload: bytes) -> list[tuple[bytes, WorkerChunk]]:
 
 
 def _decode_item(item) -> tuple[bytes, WorkerChunk]:
-    if not isinstance(item, list) or len(item) != _ITEM_FIELDS:
+    """One item, every field checked. Runs for every token the router relays, so the checks
+    are written out (exact types: msgpack gives int, float, str, bytes, list, None) rather
+    than through helpers."""
+    if type(item) is not list or len(item) != _ITEM_FIELDS:
         raise InvalidArgument(f"token item must be an array of {_ITEM_FIELDS} fields")
     (key, rid, token_ids, text, finish, n_prompt, n_out, out_queue, n_cached, logprobs,
      replica_id, transfer_s, queue_s, prefill_s) = item  # fmt: skip
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+    if type(key) is not bytes or len(key) != KEY_BYTES:
         raise InvalidArgument("token item key must be 16 bytes")
-    _check(isinstance(rid, str) and 0 < len(rid) <= 256, "request_id")
-    _check(isinstance(token_ids, list) and all(_is_count(t) for t in token_ids), "token_ids")
-    _check(isinstance(text, str), "text")
-    _check(finish is None or finish in _FINISH, "finish_reason")
-    _check(all(_is_count(n) for n in (n_prompt, n_out, n_cached)), "token counts")
-    _check(all(_is_seconds(s) for s in (out_queue, transfer_s, queue_s, prefill_s)), "seconds")
-    _check(isinstance(replica_id, str) and len(replica_id) <= 256, "replica_id")
-    _check(isinstance(logprobs, list) and len(logprobs) in (0, len(token_ids)), "logprobs")
+    if type(rid) is not str or not 0 < len(rid) <= 256:
+        _bad("request_id")
+    if type(token_ids) is not list:
+        _bad("token_ids")
+    for t in token_ids:
+        if type(t) is not int or not 0 <= t < _COUNT_END:
+            _bad("token_ids")
+    if type(text) is not str:
+        _bad("text")
+    if finish is not None and finish not in _FINISH:
+        _bad("finish_reason")
+    for n in (n_prompt, n_out, n_cached):
+        if type(n) is not int or not 0 <= n < _COUNT_END:
+            _bad("token counts")
+    for x in (out_queue, transfer_s, queue_s, prefill_s):
+        if type(x) is not float or not 0.0 <= x < math.inf:  # NaN fails both
+            _bad("seconds")
+    if type(replica_id) is not str or len(replica_id) > 256:
+        _bad("replica_id")
+    if type(logprobs) is not list or len(logprobs) not in (0, len(token_ids)):
+        _bad("logprobs")
     output = StepOutput(
         rid,
         tuple(token_ids),
@@ -155,7 +173,7 @@ def _decode_item(item) -> tuple[bytes, WorkerChunk]:
         n_out,
         out_queue,
         n_cached,
-        tuple(_decode_logprobs(lp) for lp in logprobs),
+        tuple(_decode_logprobs(lp) for lp in logprobs) if logprobs else (),
     )
     return key, WorkerChunk(output, replica_id, transfer_s, queue_s, prefill_s)
 
@@ -176,15 +194,15 @@ def _decode_logprobs(lp) -> TokenLogprobs:
 
 def _check(ok: bool, what: str) -> None:
     if not ok:
-        raise InvalidArgument(f"token item has a bad {what}")
+        _bad(what)
+
+
+def _bad(what: str) -> NoReturn:
+    raise InvalidArgument(f"token item has a bad {what}")
 
 
 def _is_count(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
-
-
-def _is_seconds(x) -> bool:
-    return isinstance(x, float) and math.isfinite(x) and x >= 0.0
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _COUNT_END
 
 
 def _is_logprob(x) -> bool:

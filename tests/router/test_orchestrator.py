@@ -191,8 +191,10 @@ async def run_async(
     take: int | None = None,
     releases: Releases | None = None,
     max_tokens: int = 3,
+    between: float = 0.0,
     **config,
 ):
+    """`between`: seconds the consumer spends on each chunk, outside the stream."""
     spec = ArchSpec(
         512, 64, 128, 2, 4, 2, 8, 1e-5, 256, {}, False, False, False, False, False, None
     )
@@ -217,6 +219,11 @@ async def run_async(
                 got.append(c)
                 if len(got) == take:
                     break
+                await asyncio.sleep(between)
+        except DeadlineExceeded:
+            # The deadline's cancel, if it came, was taken back: the task is not cancelling.
+            assert asyncio.current_task().cancelling() == 0
+            raise
         finally:
             await stream.aclose()
             await asyncio.gather(*pools.worker_calls, return_exceptions=True)
@@ -364,6 +371,17 @@ def test_a_request_past_its_deadline_fails_and_cancels_the_worker_call():
     pools = FakePools(decode_plan=["hang"])
     with pytest.raises(DeadlineExceeded):
         run(pools, request_timeout_seconds=1.0)
+    (call,) = pools.worker_calls
+    assert call.cancelled()
+
+
+def test_a_deadline_passing_while_the_consumer_is_away_ends_the_stream_at_its_next_read():
+    """The deadline passes while the consumer works on a chunk (outside the stream): that work
+    is not cancelled; the stream's next read raises DeadlineExceeded and cancels the call."""
+    pools = FakePools(decode_plan=["ok"])  # a token each 0.2 s, 10 in all: 2 s of decode
+    with pytest.raises(DeadlineExceeded):
+        # first token at 0; the decode's first at 1 s, the next read at 2 s: past 1.5 s
+        run(pools, max_tokens=10, request_timeout_seconds=1.5, between=1.0)
     (call,) = pools.worker_calls
     assert call.cancelled()
 

@@ -212,9 +212,13 @@ class AppConfig:
         )
 
     def engine_config(self, pool: Literal["prefill", "decode", "colocated"]) -> EngineConfig:
+        """The engine slice of `pool`. A prefill engine is given `model.cuda_graphs` off: its
+        requests are `prefill_only` (each stops at the token its prefill samples), so it never
+        runs the decode steps the graphs are captured for, and capturing them would only cost
+        start-up time and GPU memory. The decode and colocated engines keep the setting."""
         p = self.prefill if pool == "prefill" else self.decode
         return EngineConfig(
-            model=self.model,
+            model=replace(self.model, cuda_graphs=False) if pool == "prefill" else self.model,
             cache=p.cache,
             scheduler=p.scheduler,
             default_max_tokens=self.default_max_tokens,

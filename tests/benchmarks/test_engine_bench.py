@@ -1,7 +1,9 @@
-"""Smoke test of the engine benchmark script: it runs end to end and reports every row."""
+"""Smoke test of the engine benchmark script: it runs end to end and reports every row, in
+Markdown and as JSON."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -12,9 +14,10 @@ from cluster.model.make_model import make_model
 
 def test_quick_run_reports_every_row(tmp_path: Path) -> None:
     model_dir = make_model("tiny", tmp_path / "tiny", seed=0)
-    out = tmp_path / "report.md"
+    out, figures = tmp_path / "report.md", tmp_path / "figures.json"
     report = engine_bench.main(
         ["--quick", "--model-dir", str(model_dir), "--threads", "1", "--out", str(out)]
+        + ["--json", str(figures)]
     )
 
     assert out.read_text("utf-8") == report
@@ -30,3 +33,13 @@ def test_quick_run_reports_every_row(tmp_path: Path) -> None:
         assert all(c > 0 for c in cells)
     assert re.search(r"Target batch-1 decode step .*: (PASS|FAIL)$", report, re.M)
     assert "Copy bandwidth:" in report
+
+    run = json.loads(figures.read_text("utf-8"))
+    assert (run["preset"], run["device"], run["dtype"]) == ("tiny", "cpu", "float32")
+    assert run["cuda_graphs"] is False  # graphs are a GPU path
+    assert (run["prompt_len"], run["batch_tokens"]) == (16, 4096)
+    assert run["floor_step_s"] == run["weight_bytes"] / run["copy_bandwidth"] > 0
+    measured = {(m["system"], m["batch"]): m for m in run["results"]}
+    assert set(measured) == {(s, b) for s in SYSTEMS for b in (1, 2)}
+    decode_b1 = f"{measured['pdserve', 1]['decode_tok_s']:,.1f}"
+    assert f"| decode, batch 1 | {decode_b1} |" in report

@@ -1,5 +1,6 @@
-"""The capacity benchmark's "before": the same measurement, N = 1 through Serve's proxy, of the
-code at another git revision, in the same run.
+"""The capacity benchmark's "before": the same measurement of the code at another git revision,
+in the same run: N = 1 through Serve's proxy (inter-token latency at low load) and N = 64
+straight to the router (the CPU per token where the serving path is busy).
 
 The revision's tree is exported (`git archive`, which changes nothing in the checkout) to a
 temporary directory, this benchmark's own modules are copied in, and it runs there in a child
@@ -53,8 +54,11 @@ def write_json(points: list[Point], path: str) -> None:
     Path(path).write_text(json.dumps(summary(points)), "utf-8")
 
 
+BEFORE_POINTS = ((1, "proxy"), (64, "direct"))  # (N, path) measured on the revision
+
+
 def measure_before(rev: str, a: argparse.Namespace) -> list[dict]:
-    """`summary` of N = 1 through the proxy, measured on the code at `rev`."""
+    """`summary` of `BEFORE_POINTS`, measured on the code at `rev`."""
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
     archive = subprocess.run(
         ["git", "archive", rev], cwd=REPO, env=env, capture_output=True, check=True, timeout=120
@@ -65,20 +69,24 @@ def measure_before(rev: str, a: argparse.Namespace) -> list[dict]:
         for name in OWN_MODULES:
             shutil.copy(REPO / "benchmarks" / name, Path(tmp) / "benchmarks" / name)
         out = Path(tmp) / "before.json"
-        argv = ["--streams", "1", "--paths", "proxy", "--tokens", str(a.tokens)]
+        argv = ["--tokens", str(a.tokens)]
         argv += ["--prompt-tokens", str(a.prompt_tokens), "--threads", str(a.threads)]
         argv += ["--preset", a.preset, "--out", "-", "--json", str(out)]
         if a.model_dir:
             argv += ["--model-dir", str(a.model_dir)]
-        log(f"before: {rev}'s code, N = 1 through the proxy, in {tmp}")
         path = os.pathsep.join([tmp, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         child = {**env, "PYTHONPATH": path, "PDSERVE_COMMIT": rev}
-        subprocess.run(
-            [sys.executable, "-m", "benchmarks.capacity_bench", *argv],
-            cwd=tmp,
-            env=child,
-            check=True,
-            stdout=subprocess.DEVNULL,
-            timeout=1800,
-        )
-        return json.loads(out.read_text("utf-8"))
+        got = []
+        for streams, route in BEFORE_POINTS:
+            log(f"before: {rev}'s code, N = {streams} by {route}, in {tmp}")
+            subprocess.run(
+                [sys.executable, "-m", "benchmarks.capacity_bench", *argv]
+                + ["--streams", str(streams), "--paths", route],
+                cwd=tmp,
+                env=child,
+                check=True,
+                stdout=subprocess.DEVNULL,
+                timeout=1800,
+            )
+            got += json.loads(out.read_text("utf-8"))
+        return got

@@ -19,8 +19,8 @@ figures count all of it.
 
 Targets (issue 21), at N = 64: proxy + router at most 100 µs of CPU per delivered token, and
 delivered tok/s at least 0.8x the engine alone; both are checked for each path. With
-`--before REV` it first measures N = 1 through the proxy on the code at REV
-(`benchmarks/capacity_before.py`) and prints its ITL beside this tree's.
+`--before REV` it first measures N = 1 through the proxy and N = 64 direct on the code at REV
+(`benchmarks/capacity_before.py`) and prints those figures beside this tree's.
 
 It starts a local Ray and Serve of its own (needed for the CPU figures: it finds the processes
 among its raylet's workers) and shuts them down after; `--grpc-port` uses a running one (the
@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--before",
         metavar="REV",
         default=None,
-        help="also measure N = 1 through the proxy on the code at git revision REV (e.g. "
-        "HEAD), in a child process with a Ray of its own, and print both",
+        help="also measure N = 1 through the proxy and N = 64 direct on the code at git "
+        "revision REV (e.g. HEAD), in a child process with a Ray of its own, and print both",
     )
     p.add_argument("--json", default=None, help="also write the key figures here, as JSON")
     p.add_argument(

@@ -115,21 +115,30 @@ def _pinning(cpus: tuple[int, ...]) -> str:
 
 
 def against_before(rev: str, before: list[dict], points: list[Point]) -> list[str]:
-    """N = 1 through the proxy: the revision's figures beside this tree's."""
-    then = next((b for b in before if b["streams"] == 1 and b["path"] == "proxy"), None)
-    now = next((p for p in points if p.streams == 1 and p.path == "proxy"), None)
-    if then is None or now is None:
-        return [f"(no N = 1 run through the proxy for both {rev} and this tree)"]
-    rows = [
-        ("ITL p50 (ms)", 1e3 * then["itl_p50"], 1e3 * now.load.itl(0.5), ".2f"),
-        ("ITL p99 (ms)", 1e3 * then["itl_p99"], 1e3 * now.load.itl(0.99), ".2f"),
-        ("TTFT (ms)", 1e3 * then["ttft_p50"], 1e3 * now.load.ttft(0.5), ".1f"),
-        ("delivered tok/s", then["tok_s"], now.load.tok_per_s, ",.0f"),
-        ("proxy + router CPU µs / token", then["path_us"], now.path_us, ",.0f"),
-    ]
-    lines = [f"| N = 1, through the proxy | {rev} (before) | this tree |", "|---|---|---|"]
-    lines += [f"| {label} | {b:{fmt}} | {n:{fmt}} |" for label, b, n, fmt in rows]
-    return lines
+    """Each (N, path) measured on both: the revision's figures beside this tree's."""
+    lines = []
+    for then in before:
+        now = next(
+            (
+                p
+                for p in points
+                if (p.streams, p.path, p.engine) == (then["streams"], then["path"], "model")
+            ),
+            None,
+        )
+        if now is None:
+            continue
+        rows = [
+            ("ITL p50 (ms)", 1e3 * then["itl_p50"], 1e3 * now.load.itl(0.5), ".2f"),
+            ("ITL p99 (ms)", 1e3 * then["itl_p99"], 1e3 * now.load.itl(0.99), ".2f"),
+            ("TTFT (ms)", 1e3 * then["ttft_p50"], 1e3 * now.load.ttft(0.5), ".1f"),
+            ("delivered tok/s", then["tok_s"], now.load.tok_per_s, ",.0f"),
+            ("proxy + router CPU µs / token", then["path_us"], now.path_us, ",.0f"),
+        ]
+        title = f"N = {now.streams}, {PATH_TITLES[now.path].split(' (')[0]}"
+        lines += ["", f"| {title} | {rev} (before) | this tree |", "|---|---|---|"]
+        lines += [f"| {label} | {b:{fmt}} | {n:{fmt}} |" for label, b, n, fmt in rows]
+    return lines[1:] or [f"(no point measured on both {rev} and this tree)"]
 
 
 def render(
@@ -158,6 +167,6 @@ def render(
                 title = f"{path}: {PATH_TITLES[path]}{ENGINES[engine].format(a.gpu_step_ms)}"
                 lines += ["", f"## {title}", "", *table(at)]
     if before is not None:
-        lines += ["", f"## N = 1 against {a.before}", "", *against_before(a.before, before, points)]
+        lines += ["", f"## Against {a.before}", "", *against_before(a.before, before, points)]
     lines += ["", "## Targets", "", *verdicts(points)]
     return "\n".join(lines) + "\n"

@@ -82,12 +82,6 @@ VLLM_METRICS: dict[str, VllmMetric] = {
     "vllm:inter_token_latency_seconds": VllmMetric(
         "histogram", "Histogram of inter-token latency in seconds.", _ITL_BUCKETS
     ),
-    "vllm:time_per_output_token_seconds": VllmMetric(
-        "histogram",
-        "Histogram of time per output token in seconds. "
-        "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
-        _ITL_BUCKETS,
-    ),
     "vllm:e2e_request_latency_seconds": VllmMetric(
         "histogram", "Histogram of e2e request latency in seconds.", _REQUEST_LATENCY_BUCKETS
     ),
@@ -122,10 +116,9 @@ MIRRORS: dict[str, tuple[str, ...]] = {
     "pdserve_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
     # The router: each request as its client sees it (router/tally.py).
     "pdserve_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
-    "pdserve_inter_token_latency_seconds": (
-        "vllm:inter_token_latency_seconds",
-        "vllm:time_per_output_token_seconds",
-    ),
+    # Not `vllm:time_per_output_token_seconds`, the name vLLM deprecated for this one (on no
+    # Serve LLM panel): it would cost the router one more observation per streamed token.
+    "pdserve_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",),
     "pdserve_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
     # ... and its phases once it had a first token: decode is first token to last, inference
     # the prompt's computation plus decode (vLLM's identity), TPOT decode over the tokens after

@@ -63,7 +63,7 @@ def test_pool_metrics_recorder_reaches_the_pdserve_series_and_its_vllm_mirrors()
     record(0.02)
     got = {n: s.calls for n, s in spies.items() if s.calls}
     assert [v for v, _ in got.pop(name)] == [0.01, 0.02]
-    assert set(got) == {"vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"}
+    assert set(got) == {"vllm:inter_token_latency_seconds"}
     for calls in got.values():
         assert [v for v, _ in calls] == [0.01, 0.02]
         assert all(tags["model_name"] == "my-model" for _, tags in calls)

@@ -127,6 +127,7 @@ def stats_to_proto(stats: ClusterStats) -> pb.ClusterStats:
                 queued_prompt_tokens=s.queued_prompt_tokens,
                 kv_blocks_cached=s.kv_blocks_cached,
                 generated_tokens=s.generated_tokens,
+                grpc_endpoint=s.grpc_endpoint,
             )
             for s in stats.replicas
         ],

@@ -1,5 +1,8 @@
 """The router replica's own gRPC endpoint: `pdserve.v1.Generation`, the same service and code as
-through Serve's gRPC proxy, served by the router itself on `transfer.host` (an ephemeral port).
+through Serve's gRPC proxy, served by the router itself on `transfer.host`, at
+`router.grpc_port` (0: a free port), unless `router.direct_grpc` is off. Each replica lists it
+in `GetStats` (router/endpoint_reporter.py); `GenerationClient.direct` and `pdserve generate /
+bench --direct` use it (docs/api.md).
 
 Why: every message through Serve's proxy costs CPU of its own in the proxy and in Serve's
 wrappers around the router (pickled with its gRPC context, a thread hop and back in the proxy):
@@ -33,6 +36,8 @@ class GrpcEndpoint:
 
     async def start(self, servicer: Any) -> str:
         """Serve `servicer`; returns "host:port"."""
+        # No SO_REUSEPORT: a fixed port another process holds fails here, loudly, instead of
+        # sharing its connections (router replicas never share one: RouterConfig).
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         add_generation_servicer(servicer, self._server)
         port = self._server.add_insecure_port(f"{self.host}:{self.port}")

@@ -31,7 +31,8 @@ class PoolStatus:
 
 @dataclass(frozen=True)
 class ClusterStats:
-    """What `GetStats` reports: each pool's status and each engine replica's latest stats."""
+    """What `GetStats` reports: each pool's status and each replica's latest stats (engine
+    replicas, and router replicas with their direct gRPC endpoints)."""
 
     pools: tuple[PoolStatus, ...]
     replicas: tuple[ReplicaStats, ...]

@@ -19,7 +19,9 @@ from cluster.model.info import describe_model
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
+from cluster.serving.stats_registry import registry
 from cluster.serving.vllm_metrics import served_model_name
+from router.endpoint_reporter import EndpointReporter
 from router.grpc_api import chunk_to_proto, model_info_to_proto, request_from_proto, stats_to_proto
 from router.grpc_endpoint import GrpcEndpoint
 from router.openai_api import install_error_handlers, openai_routes
@@ -47,8 +49,16 @@ class Router:
             PoolMetrics("router", served_model_name(config.model)),
             app_name=serve.get_replica_context().app_name,
         )
-        self.direct = GrpcEndpoint(host)
-        await self.direct.start(self)
+        self.direct: GrpcEndpoint | None = None
+        if config.router.direct_grpc:
+            self.direct = GrpcEndpoint(host, config.router.grpc_port)
+            await self.direct.start(self)
+        self.report = EndpointReporter(
+            registry(config.name),
+            str(serve.get_replica_context().replica_id.unique_id),
+            self.grpc_endpoint(),
+        )
+        await self.report.start()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="pdserve", version="1")
@@ -72,8 +82,9 @@ class Router:
 
     def grpc_endpoint(self) -> str:
         """Where this replica serves `pdserve.v1.Generation` itself, without Serve's proxy
-        (router/grpc_endpoint.py), as "host:port"."""
-        return self.direct.endpoint
+        (router/grpc_endpoint.py), as "host:port"; "" with `router.direct_grpc` off. Clients
+        find it in `GetStats` (router/endpoint_reporter.py)."""
+        return self.direct.endpoint if self.direct is not None else ""
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context) -> pb.ModelInfo:
         return model_info_to_proto(self.orch.model)
@@ -86,7 +97,10 @@ class Router:
             raise
 
     async def __del__(self) -> None:
-        direct = getattr(self, "direct", None)  # absent if __init__ failed early
+        report = getattr(self, "report", None)  # absent if __init__ failed early
+        if report is not None:
+            await report.stop()  # unlisted before its endpoint stops taking calls
+        direct = getattr(self, "direct", None)
         if direct is not None:
             await direct.stop(DIRECT_GRACE_S)
         tokens = getattr(self, "tokens", None)

@@ -108,7 +108,8 @@ def app_metadata(name: str) -> tuple[tuple[str, str], ...]:
 
 
 def wait_for_idle(ends: ServeEndpoints, app: str, pools: set[str], timeout: float = 20.0):
-    """Poll GetStats until every replica of `pools` reports zero used and leased blocks.
+    """Poll GetStats until every replica of `pools` reports zero used and leased blocks; returns
+    those replicas (not the router replicas GetStats also lists, unless asked for).
     Replicas push their stats when they change (sampled every SAMPLE_INTERVAL_S) and at least
     every REPORT_INTERVAL_S, so the first poll waits that long (and a little more): an answer
     from before the caller's requests ended could otherwise pass. A leak then shows up as a
@@ -118,7 +119,7 @@ def wait_for_idle(ends: ServeEndpoints, app: str, pools: set[str], timeout: floa
     time.sleep(REPORT_INTERVAL_S + 0.3)
     while True:
         stats = s.GetStats(pb.GetStatsRequest(), metadata=app_metadata(app))
-        replicas = list(stats.replicas)
+        replicas = [r for r in stats.replicas if r.pool in pools]
         seen = {r.pool for r in replicas}
         busy = [r for r in replicas if r.kv_blocks_used or r.kv_blocks_leased or r.running]
         if pools <= seen and not busy:

@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser, slo: bool = True) -> None:
         default=None,
         help="Serve application, when Serve runs several (default: the only one)",
     )
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="pdserve: send the requests round robin to the routers' own gRPC endpoints, "
+        "listed by GetStats through --target, not through Serve's proxy (default: the proxy)",
+    )
     _workload_arguments(p.add_argument_group("workload: a trace, or synthetic random prompts"))
     p.add_argument(
         "--max-concurrency",
@@ -203,8 +209,13 @@ def phases_main(args: argparse.Namespace) -> int:
     _warm_up(args, server.vocab_size)
     probed = asyncio.run(
         run_workload(
-            args.target, probes, args.application, max_concurrency=1, timeout_s=args.timeout
-        )
+            args.target,
+            probes,
+            args.application,
+            max_concurrency=1,
+            timeout_s=args.timeout,
+            direct=args.direct,
+        )  # fmt: skip
     )
     try:
         model = PhaseModel.fit(probed)
@@ -272,7 +283,11 @@ def render_phases(
 def _warm_up(args: argparse.Namespace, vocab_size: int) -> None:
     """One request first, so the probes do not carry the replicas' first-call costs."""
     warm = synthetic_workload(1, 16, 4, vocab_size, seed=args.seed + 99)
-    asyncio.run(run_workload(args.target, warm, args.application, timeout_s=args.timeout))
+    asyncio.run(
+        run_workload(
+            args.target, warm, args.application, timeout_s=args.timeout, direct=args.direct
+        )
+    )
 
 
 def _version() -> str:

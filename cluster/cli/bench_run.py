@@ -58,6 +58,8 @@ def check_limits(args: argparse.Namespace) -> None:
         raise SystemExit("--timeout must be > 0")
     if args.backend == "pdserve" and getattr(args, "base_url", None):
         raise SystemExit("--base-url is for the openai backends; pdserve's is --target")
+    if args.backend != "pdserve" and args.direct:
+        raise SystemExit("--direct is for the pdserve backend")
     if args.backend != "pdserve" and not args.base_url:
         raise SystemExit(f"--backend {args.backend} needs --base-url (e.g. http://HOST:8000/v1)")
 
@@ -123,6 +125,7 @@ def replay(
             return await run_workload(
                 args.target, workload, args.application,
                 max_concurrency=args.max_concurrency, timeout_s=args.timeout, progress=progress,
+                direct=args.direct,
             )  # fmt: skip
         target = OpenAITarget(
             args.base_url, server.model_id, args.backend == "openai-chat", args.api_key
@@ -187,11 +190,12 @@ def metadata(
 
 def header(args: argparse.Namespace, server: Server, meta: RunMetadata) -> list[str]:
     app = f", application {args.application}" if args.application else ""
+    direct = ", direct to the routers" if args.direct else ""
     clipped = meta.workload["prompts_clipped"]
     return [
         f"- date: {meta.date}; pdserve {meta.pdserve_version}; client machine: "
         f"{os.cpu_count()} CPUs, {platform.platform()}",
-        f"- target: {meta.target}{app} ({args.backend}); {server.about}",
+        f"- target: {meta.target}{app} ({args.backend}{direct}); {server.about}",
         f"- workload: {meta.workload['description']}; seed {args.seed}"
         + (f"; at most {args.max_concurrency} in flight" if args.max_concurrency else "")
         + (f"; {clipped} prompts cut to fit the context" if clipped else ""),

@@ -30,6 +30,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         "--target", default="127.0.0.1:9000", help="gRPC address of a cluster (not --local)"
     )
     p.add_argument(
+        "--direct",
+        action="store_true",
+        help="call a router's own gRPC endpoint, listed by GetStats through --target, not "
+        "Serve's proxy (default: the proxy; --target itself when none is listed)",
+    )
+    p.add_argument(
         "--application",
         default=None,
         help="Serve application, when Serve runs several (default: the only one)",
@@ -106,7 +112,12 @@ def _remote(args: argparse.Namespace, token_ids: list[int] | None) -> int:
     scored: list[TokenLogprobs] = []
     last = None
     try:
-        with GenerationClient(args.target, args.application) as client:
+        client = (
+            GenerationClient.direct(args.target, args.application)
+            if args.direct
+            else GenerationClient(args.target, args.application)
+        )
+        with client:
             for msg in client.generate(request):
                 ids.extend(msg.token_ids)
                 text.append(msg.text)

@@ -1,6 +1,7 @@
-"""`pdserve status`: a running cluster's pools (replicas now and targeted, bounds, load) and its
-replicas (KV blocks, sequences, queued prompt tokens, tokens generated), as two tables or, with
-`--json`, as one JSON object; `--watch` refreshes until Ctrl-C."""
+"""`pdserve status`: a running cluster's pools (replicas now and targeted, bounds, load), its
+engine replicas (KV blocks, sequences, queued prompt tokens, tokens generated) and its router
+replicas (their direct gRPC endpoints), as three tables or, with `--json`, as one JSON object;
+`--watch` refreshes until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from google.protobuf.json_format import MessageToDict
 from cluster.client.generation_client import GenerationClient
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 
+ROUTER_POOL = "router"  # GetStats lists router replicas under this pool, with no KV figures
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 WATCH_EVERY_S = 2.0
 
@@ -105,8 +107,9 @@ def show_status(
 
 def status_json(snapshot: Snapshot) -> dict[str, Any]:
     """The snapshot as plain JSON types: `time` (ISO 8601, UTC), `model` (`ModelInfo`) and
-    `ClusterStats`' `kv_transport`, `pools` and `replicas`, with the proto field names; every
-    field present, integers as numbers."""
+    `ClusterStats`' `kv_transport`, `pools` and `replicas` (router replicas included, pool
+    "router", with their `grpc_endpoint`), with the proto field names; every field present,
+    integers as numbers."""
 
     def plain(message) -> dict[str, Any]:
         return MessageToDict(
@@ -124,7 +127,7 @@ def status_json(snapshot: Snapshot) -> dict[str, Any]:
 
 
 def render(snapshot: Snapshot) -> list[str]:
-    """The two tables, as lines."""
+    """The tables, as lines: pools, engine replicas, and the routers when any is listed."""
     info, stats = snapshot.info, snapshot.stats
     transport = f"  kv transport {stats.kv_transport}" if stats.kv_transport else ""
     lines = [f"model {info.model_id}  mode {info.mode}  block_size {info.block_size}{transport}"]
@@ -158,8 +161,15 @@ def render(snapshot: Snapshot) -> list[str]:
             r.generated_tokens,
         )
         for r in stats.replicas
+        if r.pool != ROUTER_POOL
     ]
-    return lines + [""] + _table(header, rows)
+    lines += [""] + _table(header, rows)
+    routers = [
+        (r.replica_id, r.grpc_endpoint or "off") for r in stats.replicas if r.pool == ROUTER_POOL
+    ]
+    if routers:
+        lines += [""] + _table(("router", "direct grpc endpoint"), routers)
+    return lines
 
 
 def _watch_header(snapshot: Snapshot, every_s: float, out: TextIO) -> str:

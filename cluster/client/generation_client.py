@@ -1,10 +1,13 @@
-"""`GenerationClient`: a blocking client of the public gRPC API (`pdserve.v1.Generation`), and
-what the asyncio load generator shares with it: the application metadata Serve's gRPC proxy
-routes by, the finish reasons' names, and logprobs in the shared vocabulary."""
+"""`GenerationClient`: a blocking client of the public gRPC API (`pdserve.v1.Generation`),
+through Serve's gRPC proxy or straight to the routers' own endpoints (`GenerationClient.direct`),
+and what the asyncio load generator shares with it: the application metadata Serve's gRPC proxy
+routes by, the routers' endpoints `GetStats` lists, the finish reasons' names, and logprobs in
+the shared vocabulary."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -33,29 +36,55 @@ def token_logprobs(msg: pb.GenerateResponse) -> list[TokenLogprobs]:
     ]
 
 
-class GenerationClient:
-    """`Generate`, `GetModelInfo` and `GetStats` on one Serve gRPC proxy (`target`, host:port),
-    for `application` when the Serve instance runs several. Calls raise `grpc.RpcError` with
-    the documented status codes."""
+def router_endpoints(stats: pb.ClusterStats) -> list[str]:
+    """The router replicas' direct gRPC endpoints `stats` lists ("host:port", sorted, each
+    once); [] when none does (`router.direct_grpc` off, or a cluster from before them)."""
+    return sorted({r.grpc_endpoint for r in stats.replicas if r.grpc_endpoint})
 
-    def __init__(self, target: str, application: str | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
-        self.stub = pb_grpc.GenerationStub(self.channel)
+
+class GenerationClient:
+    """`Generate`, `GetModelInfo` and `GetStats` on a Serve gRPC proxy (`target`, host:port),
+    for `application` when the Serve instance runs several; or, given several targets (the
+    routers' direct endpoints: `direct`), on each in turn, one call each (round robin). Calls
+    raise `grpc.RpcError` with the documented status codes."""
+
+    def __init__(self, target: str | Sequence[str], application: str | None = None) -> None:
+        self.targets = [target] if isinstance(target, str) else list(target)
+        if not self.targets:
+            raise ValueError("GenerationClient needs a target")
+        self.channels = [grpc.insecure_channel(t) for t in self.targets]
+        self.stubs = [pb_grpc.GenerationStub(c) for c in self.channels]
+        self._turn = itertools.cycle(self.stubs)
         self.metadata = app_metadata(application)
+
+    @classmethod
+    def direct(cls, target: str, application: str | None = None) -> GenerationClient:
+        """A client of the routers' own gRPC endpoints, bypassing Serve's proxy (about 2.5x
+        less CPU per streamed token; docs/api.md): reads `GetStats` through `target` and
+        spreads calls over the endpoints it lists; over `target` itself when none is listed.
+        Endpoints of routers that start later are not picked up; make a new client."""
+        with cls(target, application) as proxy:
+            endpoints = router_endpoints(proxy.stats())
+        return cls(endpoints or target, application)
+
+    def _next(self) -> pb_grpc.GenerationStub:
+        """The stub the next call goes to (round robin)."""
+        return next(self._turn)
 
     def generate(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
         """The streamed messages; the last one carries finish reason, usage and timing. The
         returned call's `cancel()` cancels the request."""
-        return self.stub.Generate(request, metadata=self.metadata)
+        return self._next().Generate(request, metadata=self.metadata)
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
+        return self._next().GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
 
     def stats(self) -> pb.ClusterStats:
-        return self.stub.GetStats(pb.GetStatsRequest(), metadata=self.metadata)
+        return self._next().GetStats(pb.GetStatsRequest(), metadata=self.metadata)
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in self.channels:
+            channel.close()
 
     def __enter__(self) -> GenerationClient:
         return self

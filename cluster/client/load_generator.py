@@ -2,7 +2,8 @@
 `openai_load`, to any OpenAI-compatible server), each request at its arrival time (open loop:
 a slow server does not slow the arrivals, only `max_concurrency` does), and records what each
 stream did: when every token arrived, and the final message's usage, phase timings and
-replicas. `sample_replicas` reads the pools' sizes while it runs.
+replicas. `sample_replicas` reads the pools' sizes while it runs. Requests go through Serve's
+gRPC proxy, or (`direct`) straight to the routers' own endpoints.
 
 Used by `pdserve bench` and `pdserve phases`; the clock is `time.perf_counter`, relative to
 the start of the run.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +22,7 @@ from typing import ClassVar
 
 import grpc
 
-from cluster.client.generation_client import FINISH_REASONS, app_metadata
+from cluster.client.generation_client import FINISH_REASONS, app_metadata, router_endpoints
 from cluster.client.progress import Progress
 from cluster.client.workload import Workload, WorkloadRequest
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -158,19 +160,36 @@ async def run_workload(
     timeout_s: float = 600.0,
     ignore_eos: bool = True,
     progress: Progress | None = None,
+    direct: bool = False,
 ) -> list[RequestRecord]:
     """Send every request of `workload` over gRPC (greedy, `max_tokens` each, EOS ignored
     unless told otherwise so outputs have the workload's lengths) and return their records
     in workload order. A request that fails is recorded with its status code; the run goes
-    on."""
+    on. With `direct`, requests go round robin to the routers' own endpoints that `GetStats`
+    through `target` lists (`direct_targets`) instead of through Serve's proxy."""
     metadata = app_metadata(application)
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    targets = await direct_targets(target, application) if direct else [target]
+    async with contextlib.AsyncExitStack() as channels:
+        stubs = [
+            pb_grpc.GenerationStub(await channels.enter_async_context(grpc.aio.insecure_channel(t)))
+            for t in targets
+        ]
+        turn = itertools.cycle(stubs)
 
         async def send(req: WorkloadRequest, rec: RequestRecord, start: float) -> None:
-            await _stream(stub, req, rec, start, metadata, timeout_s, ignore_eos)
+            await _stream(next(turn), req, rec, start, metadata, timeout_s, ignore_eos)
 
         return await replay(workload, send, max_concurrency, progress)
+
+
+async def direct_targets(target: str, application: str | None = None) -> list[str]:
+    """The routers' direct gRPC endpoints `GetStats` through `target` lists, else [target]
+    (as `GenerationClient.direct`)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stats = await pb_grpc.GenerationStub(channel).GetStats(
+            pb.GetStatsRequest(), metadata=app_metadata(application), timeout=30
+        )
+    return router_endpoints(stats) or [target]
 
 
 async def _stream(stub, req, rec: RequestRecord, start, metadata, timeout_s, ignore_eos) -> None:

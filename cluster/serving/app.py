@@ -109,7 +109,7 @@ def deployment_pools(config: AppConfig) -> dict[str, str]:
 
 def deployment_options(name: str, pool: PoolConfig) -> dict[str, Any]:
     """The options of `serve.deployment` for deployment `name`, all derived from its pool:
-    size or autoscaling, Ray resources, request limits, request router."""
+    size or autoscaling, Ray resources and placement, request limits, request router."""
     size = (
         {"autoscaling_config": pool.autoscaling.serve_config()}
         if pool.autoscaling is not None
@@ -132,6 +132,7 @@ def deployment_options(name: str, pool: PoolConfig) -> dict[str, Any]:
         "health_check_period_s": 5,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
         **size,
+        **pool.serve_placement(),
         **routing,
     }
 
@@ -145,6 +146,7 @@ POOL_OPTIONS = (
     "max_ongoing_requests",
     "max_queued_requests",
     "request_router_config",
+    "max_replicas_per_node",
 )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, with_config
@@ -115,11 +115,47 @@ class PoolConfig:
             return self
         return replace(self, autoscaling=replace(self.autoscaling, targets=targets))
 
+    def serve_placement(self) -> dict[str, Any]:
+        """Placement options of the pool's Serve deployment beyond its resources."""
+        return {}
+
     def actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.resources:
             opts["resources"] = dict(self.resources)
         return opts
+
+
+@with_config(DICT_FORM)
+@dataclass(frozen=True)
+class RouterConfig(PoolConfig):
+    """The router deployment's `PoolConfig` (its engine fields do not apply) and its direct
+    gRPC endpoint (router/grpc_endpoint.py): with `direct_grpc` each router replica also serves
+    `pdserve.v1.Generation` itself on `transfer.host`, at `grpc_port` (0 = a free port), and
+    lists it in `GetStats`. A fixed port places at most one router replica per node (Serve's
+    `max_replicas_per_node`), so no two of them bind it; replicas beyond the nodes wait."""
+
+    direct_grpc: bool = True
+    grpc_port: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.engine_cpus:
+            raise ConfigError("engine_cpus is for the engine pools; the router has no engine")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ConfigError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
+        if self.grpc_port and not self.direct_grpc:
+            raise ConfigError("grpc_port is set but direct_grpc is off")
+
+    @classmethod
+    def of(cls, pool: PoolConfig) -> RouterConfig:
+        """`pool` as a router's config (the direct endpoint at its defaults)."""
+        if isinstance(pool, RouterConfig):
+            return pool
+        return cls(**{f.name: getattr(pool, f.name) for f in fields(PoolConfig)})
+
+    def serve_placement(self) -> dict[str, Any]:
+        return {"max_replicas_per_node": 1} if self.grpc_port else {}
 
 
 def auto_transport(mode: Mode) -> str:
@@ -143,8 +179,8 @@ def auto_transport(mode: Mode) -> str:
 class AppConfig:
     model: ModelConfig
     mode: Mode = "disaggregated"
-    router: PoolConfig = field(
-        default_factory=lambda: PoolConfig(num_cpus=0.5, max_ongoing_requests=1024)
+    router: RouterConfig = field(
+        default_factory=lambda: RouterConfig(num_cpus=0.5, max_ongoing_requests=1024)
     )
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
@@ -167,8 +203,8 @@ class AppConfig:
             raise ConfigError("default_max_tokens and request_timeout_seconds must be > 0")
         if self.max_retries < 0 or self.max_migrations < 0:
             raise ConfigError("max_retries and max_migrations must be >= 0")
-        if self.router.engine_cpus:
-            raise ConfigError("engine_cpus is for the engine pools; the router has no engine")
+        # A plain PoolConfig (built in Python) becomes the router's, checked as one.
+        object.__setattr__(self, "router", RouterConfig.of(self.router))
         device = self.model.device
         if self.transfer.transport == "nccl" and not device.startswith(("cuda", "auto")):
             raise ConfigError("transport nccl moves KV between GPUs: it needs device cuda")

@@ -54,7 +54,8 @@ class ReplicaStats:
     """One engine replica's numbers as of `updated_at` (wall clock). `kv_leases_ended`, on
     prefill replicas: how many leases ended so far, by reason (fetched, cancelled, aborted,
     expired); `kv_endpoint`, on prefill replicas: the KV server's "host:port" (where a router
-    sends `CancelPrefill`)."""
+    sends `CancelPrefill`). A router replica reports itself too (pool "router", every figure
+    0): `grpc_endpoint` is where it serves `pdserve.v1.Generation` without Serve's proxy."""
 
     pool: str
     replica_id: str
@@ -69,3 +70,4 @@ class ReplicaStats:
     updated_at: float = 0.0
     kv_leases_ended: dict[str, int] = field(default_factory=dict)
     kv_endpoint: str = ""
+    grpc_endpoint: str = ""

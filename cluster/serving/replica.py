@@ -23,7 +23,7 @@ from cluster.serving.metered_engine import EngineTotals, MeteredEngine
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_messages import ReplicaStats
 from cluster.serving.stats_line import StatsLine
-from cluster.serving.stats_registry import registry
+from cluster.serving.stats_registry import REPORT_INTERVAL_S, registry
 from cluster.serving.vllm_metrics import served_model_name
 
 log = logging.getLogger("ray.serve." + __name__)
@@ -32,7 +32,6 @@ log = logging.getLogger("ray.serve." + __name__)
 # engine by at most about one sample (plus the engine step that sample waits for). Unchanged
 # figures are pushed again every REPORT_INTERVAL_S, so no registry entry is older than that.
 SAMPLE_INTERVAL_S = 0.2
-REPORT_INTERVAL_S = 1.0
 
 
 def replica_id() -> str:

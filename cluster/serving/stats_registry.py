@@ -1,4 +1,5 @@
-"""Where every engine replica reports its KV and queue numbers, so `GetStats` can list them all.
+"""Where every engine replica reports its KV and queue numbers, and every router replica its
+direct gRPC endpoint (router/endpoint_reporter.py), so `GetStats` can list them all.
 
 Serve handles route each call to one replica, so the router cannot ask every replica itself.
 Instead each engine replica pushes its `ReplicaStats` to one named Ray actor per application
@@ -14,6 +15,10 @@ import time
 import ray
 
 from cluster.serving.pool_messages import ReplicaStats
+
+# Every replica pushes its entry again at least this often (engine replicas:
+# `EngineReplica._report`; router replicas: router/endpoint_reporter.py), so no entry is older.
+REPORT_INTERVAL_S = 1.0
 
 
 @ray.remote(num_cpus=0)

@@ -1,5 +1,6 @@
 """`pdserve status --json` against the session's "pd" app: one strict JSON object whose pools and
-replicas are the app's (2 prefill and 2 decode replicas, nothing in use once idle)."""
+replicas are the app's (2 prefill and 2 decode replicas, nothing in use once idle; its router
+replica with its direct gRPC endpoint)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,6 @@ def test_status_json_describes_the_running_app(apps, capsys):
     engines = [r for r in got["replicas"] if r["pool"] in ("prefill", "decode")]
     assert sorted(r["pool"] for r in engines) == ["decode", "decode", "prefill", "prefill"]
     assert all(r["kv_blocks_total"] == 512 and r["kv_blocks_leased"] == 0 for r in engines)
+    (router,) = [r for r in got["replicas"] if r["pool"] == "router"]
+    host, port = router["grpc_endpoint"].rsplit(":", 1)  # its direct gRPC endpoint
+    assert host == "127.0.0.1" and int(port) > 0

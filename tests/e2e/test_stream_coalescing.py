@@ -1,7 +1,7 @@
 """The token stream end to end on the session's "pd" app: a client slower than the stream gets
 every token in fewer messages (the proxy and the router coalesce what it has not taken), and
-the router replica's own gRPC endpoint (router/grpc_endpoint.py) serves the same API as
-Serve's proxy, cancellation freeing everything as there."""
+the router replica's own gRPC endpoint (router/grpc_endpoint.py), listed by GetStats, serves the
+same API as Serve's proxy, cancellation freeing everything as there."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from cluster.client.generation_client import GenerationClient, router_endpoints
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.e2e.conftest import PD
@@ -47,11 +48,18 @@ def test_a_slow_client_gets_every_token_in_order_in_fewer_messages(apps):
     wait_for_idle(apps, PD, {"prefill", "decode"})
 
 
-def test_the_routers_own_endpoint_serves_the_same_api(apps):
+def test_the_routers_own_endpoint_is_listed_and_serves_the_same_api(apps):
+    """`GenerationClient.direct` finds the router's endpoint in GetStats (through the proxy,
+    and through the endpoint itself) and gets the proxy's greedy tokens from it."""
     via_proxy, _ = generate(apps, PD, prompt_token_ids=PROMPT, sampling=greedy_sampling(48))
-    with grpc.insecure_channel(router_endpoint(PD)) as channel:
+    endpoint = router_endpoint(PD)
+    request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy_sampling(48))
+    with GenerationClient.direct(apps.grpc_target, PD) as client:
+        assert client.targets == [endpoint]  # the session's apps run one router replica
+        assert tokens(list(client.generate(request))) == tokens(via_proxy)
+        assert router_endpoints(client.stats()) == [endpoint]
+    with grpc.insecure_channel(endpoint) as channel:
         direct = pb_grpc.GenerationStub(channel)
-        request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy_sampling(48))
         msgs = list(direct.Generate(request))
         assert tokens(msgs) == tokens(via_proxy)
         assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH

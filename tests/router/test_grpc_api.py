@@ -84,6 +84,18 @@ def test_stats_fill_pools_and_replicas():
         2,
     )
     assert (r.running, r.waiting, r.queued_prompt_tokens, r.kv_blocks_cached) == (3, 1, 40, 5)
+    assert r.grpc_endpoint == ""
+
+
+def test_stats_list_a_router_replica_with_its_direct_endpoint():
+    router = ReplicaStats("router", "r0", 0, 0, 0, 0, 0, 0, grpc_endpoint="10.0.0.5:41000")
+    (r,) = stats_to_proto(ClusterStats((), (router,))).replicas
+    assert (r.pool, r.replica_id, r.grpc_endpoint, r.kv_blocks_total) == (
+        "router",
+        "r0",
+        "10.0.0.5:41000",
+        0,
+    )
 
 
 def test_the_last_chunk_carries_finish_reason_usage_timing_and_logprobs():

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from cluster.cli.main import HelpFormatter, build_parser, main
-from cluster.cli.status import Snapshot, show_status, status_json
+from cluster.cli.status import Snapshot, render, show_status, status_json
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -194,3 +194,24 @@ def test_serve_refuses_a_bad_config_file_before_ray_starts(tmp_path, capsys, mon
     assert main(["serve", "--config", str(bad)]) == 2
     assert "deployments[Prefill].ray_actor_options" in capsys.readouterr().err
     assert not started
+
+
+def test_status_shows_each_routers_direct_endpoint():
+    with_routers = snapshot()
+    with_routers.stats.replicas.extend(
+        [
+            pb.ReplicaStats(pool="router", replica_id="rt0", grpc_endpoint="10.0.0.5:41000"),
+            pb.ReplicaStats(pool="router", replica_id="rt1"),  # router.direct_grpc off
+        ]
+    )
+    lines = render(with_routers)
+    at = lines.index(next(line for line in lines if line.startswith("router ")))
+    assert lines[at].split() == ["router", "direct", "grpc", "endpoint"]
+    assert lines[at + 1].split() == ["rt0", "10.0.0.5:41000"]
+    assert lines[at + 2].split() == ["rt1", "off"]
+    engine_rows = [line.split()[0] for line in lines[:at] if line.startswith(("prefill", "router"))]
+    assert engine_rows == ["prefill", "prefill"]  # the pool's row and r1's; no router among them
+    out = io.StringIO()
+    assert show_status(lambda: with_routers, as_json=True, watch=None, out=out) == 0
+    routers = [r for r in strict_json(out.getvalue())["replicas"] if r["pool"] == "router"]
+    assert [r["grpc_endpoint"] for r in routers] == ["10.0.0.5:41000", ""]

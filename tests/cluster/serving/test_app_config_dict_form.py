@@ -74,6 +74,14 @@ def refusal(args: dict) -> InvalidArgument:
             {"router": {"autoscaling": {"targets": {"running": 4}}}},
             "router.autoscaling.targets: ['running'] are engine signals",
         ),
+        # The router's direct gRPC endpoint (RouterConfig).
+        ({"router": {"grpc_port": "9100"}}, 'router.grpc_port: expected an integer, got "9100"'),
+        ({"router": {"grpc_port": 70000}}, "router: grpc_port must be in 0..65535, got 70000"),
+        (
+            {"router": {"grpc_port": 9100, "direct_grpc": False}},
+            "router: grpc_port is set but direct_grpc is off",
+        ),
+        ({"prefill": {"grpc_port": 9100}}, "prefill.grpc_port: unknown key"),
         # YAML can write what JSON cannot.
         ({"name": datetime.date(2025, 1, 1)}, "name: date is not a config value"),
     ],

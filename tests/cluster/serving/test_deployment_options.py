@@ -89,3 +89,32 @@ def test_without_a_model_path_the_builder_serves_the_embedded_model():
     config = config_from_args({"model": {"dtype": "float32"}, "name": "x"})
     assert config.model.path == str(default_model_dir()) and config.name == "x"
     assert config_from_args(None).model.path == config.model.path
+
+
+def test_a_fixed_router_grpc_port_puts_one_router_replica_per_node():
+    """Two router replicas on one node would both bind the port: a fixed port spreads them
+    (Serve's max_replicas_per_node); the default, a free port each, places them anywhere."""
+    fixed = config_from_args({**ARGS, "router": {"replicas": 3, "grpc_port": 9100}})
+    assert (fixed.router.direct_grpc, fixed.router.grpc_port) == (True, 9100)
+    assert deployment_options("Router", fixed.router)["max_replicas_per_node"] == 1
+    assert "max_replicas_per_node" not in deployment_options("Prefill", fixed.prefill)
+    free = config_from_args({**ARGS, "router": {"replicas": 3}})
+    assert (free.router.direct_grpc, free.router.grpc_port) == (True, 0)
+    assert "max_replicas_per_node" not in deployment_options("Router", free.router)
+    entry = {"name": "Router", "max_replicas_per_node": 2}
+    (problem,) = override_conflicts(fixed, [entry])
+    assert "deployments[Router].max_replicas_per_node is 2" in problem
+
+
+def test_a_router_pool_built_in_python_gets_the_direct_endpoint_defaults():
+    from dataclasses import replace
+
+    from cluster.config import ModelConfig
+    from cluster.serving.app_config import PoolConfig, RouterConfig
+
+    config = AppConfig(model=ModelConfig(path="m"), router=PoolConfig(replicas=2, num_cpus=0.25))
+    assert isinstance(config.router, RouterConfig)
+    assert (config.router.replicas, config.router.num_cpus) == (2, 0.25)
+    assert (config.router.direct_grpc, config.router.grpc_port) == (True, 0)
+    off = replace(config, router=replace(config.router, direct_grpc=False))
+    assert AppConfig.from_dict(off.to_dict()) == off

@@ -53,13 +53,14 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         starts: list[int] = []
+        bs = self.block_size
         for s in scheduled:
             starts.append(len(ids))
             span = range(s.start, s.start + s.num_tokens)
             ids.extend(s.seq.token_ids[s.start : s.start + s.num_tokens])
             positions.extend(span)
-            table, bs = s.seq.block_table, self.block_size
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            table = s.seq.block_table
+            slots.extend([table[p // bs] * bs + p % bs for p in span])
         samplers = [s for s in scheduled if s.samples]
         rows = [starts[i] + s.num_tokens - 1 for i, s in enumerate(scheduled) if s.samples]
         if self.varlen_attention is not None:

@@ -81,11 +81,13 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         # Decoding sequences first, then partial prefills, each group oldest first.
-        queue = [s for s in self.running if s.in_decode] + [
-            s for s in self.running if not s.in_decode
-        ]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for s in self.running:
+            (decoding if s.in_decode else prefilling).append(s)
+        queue = deque(decoding + prefilling)
         while queue and budget > 0:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             n = min(seq.num_uncomputed_tokens, budget)
             while not self._reserve(seq, n):
                 victim = queue.pop() if queue else seq

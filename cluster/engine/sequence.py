@@ -56,7 +56,8 @@ class Sequence:
 
     @property
     def in_decode(self) -> bool:
-        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+        n = len(self.token_ids)  # read per running sequence on every step
+        return n - self.num_computed_tokens == 1 and n > self.num_prompt_tokens
 
     def block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
         """Content hashes of the first `num_blocks` full blocks of `token_ids` (tokens are only

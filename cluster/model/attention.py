@@ -45,10 +45,9 @@ class AttentionMetadata:
 
 
 def _padded_tables(block_tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-    tables = torch.zeros(len(block_tables), max(len(t) for t in block_tables), dtype=dtype)
-    for b, t in enumerate(block_tables):
-        tables[b, : len(t)] = torch.tensor(t, dtype=dtype)
-    return tables
+    width = max(len(t) for t in block_tables)
+    # One tensor from padded lists: a tensor per row costs ~5 µs each at decode batch sizes.
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=dtype)
 
 
 def build_decode_group(

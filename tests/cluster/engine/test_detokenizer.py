@@ -3,10 +3,12 @@ stop strings (also ones spanning several tokens) without ever returning them."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.detokenizer import IncrementalDetokenizer, window_decoder
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
@@ -90,6 +92,21 @@ def test_stop_string_prefix_is_held_back_then_released(tokenizer):
     deltas, stopped = _stream(detok, ids[9:])
     assert not stopped
     assert emitted + "".join(deltas) == TEXT
+
+
+def test_window_decoder_is_the_rust_decode_and_gives_transformers_text(tokenizer):
+    """The detokenizer skips transformers' wrapper only where that wrapper adds nothing."""
+    decode = window_decoder(tokenizer)
+    assert decode == tokenizer.backend_tokenizer.decode
+    rng = random.Random(0)
+    for _ in range(300):  # windows of random ids, special tokens and partial characters too
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 8))]
+        assert decode(ids, True) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_window_decoder_keeps_transformers_cleanup(tokenizer_model_dir):
+    cleaning = AutoTokenizer.from_pretrained(tokenizer_model_dir, clean_up_tokenization_spaces=True)
+    assert window_decoder(cleaning) == cleaning.decode
 
 
 # -- through the engine -------------------------------------------------------------------

@@ -160,7 +160,12 @@ def serve_main(args: argparse.Namespace) -> int:
             check_fits(configs, ray.cluster_resources())
         grpc_port, http_port = _deploy(args, apps)
     except BaseException:
-        serve.shutdown()
+        if args.address:
+            serve.shutdown()  # a joined cluster keeps running: take our apps off it
+        else:
+            # Our own local Ray goes with us: stop it at once. Serve's graceful shutdown waits
+            # up to 30 s for replicas that never finished starting (the unplaced ones).
+            ray.shutdown()
         raise
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     dashboard = getattr(context, "dashboard_url", None) or "(dashboard not running)"

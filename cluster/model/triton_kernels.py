@@ -115,7 +115,10 @@ def rope_store(
     # A negative slot (a padding row) stores nothing.
     slot = tl.load(slots_ptr + t)
     hk = tl.arange(0, BLOCK_HKV)
-    kv_ok = (hk < NUM_KV_HEADS)[:, None] & half_ok[None, :] & (slot >= 0)
+    # `slot` broadcast to the mask's shape first: Triton 3.9's interpreter refuses a mask
+    # that `&`s a scalar into a tensor ("mask has unsupported dtype"); compiled, it is the same.
+    slots = tl.zeros([BLOCK_HKV], dtype=slot.dtype) + slot
+    kv_ok = (hk < NUM_KV_HEADS)[:, None] & half_ok[None, :] & (slots >= 0)[:, None]
     k_at = k_ptr + t * stride_kt + hk[:, None] * stride_kh + half[None, :]
     k1, k2 = _rope(
         tl.load(k_at, mask=kv_ok, other=0.0).to(tl.float32),

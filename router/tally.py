@@ -21,6 +21,12 @@ class Tally:
         self.request = request
         self.start = start
         self.metrics = metrics
+        # The ITL histogram's recorder, looked up once per request, not per message.
+        self._itl = (
+            metrics.histogram_recorder("pdserve_inter_token_latency_seconds")
+            if metrics is not None
+            else None
+        )
         self.last_at = start
         self.completion_tokens = 0
         self.cached_prompt_tokens = 0
@@ -40,9 +46,9 @@ class Tally:
             self._observe("pdserve_time_to_first_token_seconds", now - self.start)
         else:
             self.decode_replica = chunk.replica_id
-            if out.token_ids and self.metrics is not None:
+            if out.token_ids and self._itl is not None:
                 # the gap, shared by the chunk's tokens: one value per token
-                itl = self.metrics.histogram_recorder("pdserve_inter_token_latency_seconds")
+                itl = self._itl
                 gap = (now - self.last_at) / len(out.token_ids)
                 for _ in out.token_ids:
                     itl(gap)

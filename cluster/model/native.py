@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 log = logging.getLogger("ray.serve." + __name__)
@@ -25,6 +26,7 @@ def load_extension(name: str, source: str, openmp: bool = False) -> object | Non
         from torch.utils import cpp_extension
 
         _put_ninja_on_path()
+        clear_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
         flags = ["-O3", "-fopenmp"] if openmp else ["-O3"]
         return cpp_extension.load(
             name=name,
@@ -35,6 +37,22 @@ def load_extension(name: str, source: str, openmp: bool = False) -> object | Non
     except Exception as e:
         log.warning("native module %s unavailable, using the torch path: %s", name, e)
         return None
+
+
+STALE_LOCK_S = 900.0  # far longer than any build of these kernels takes
+
+
+def clear_stale_lock(build_dir: str) -> None:
+    """Remove a build lock older than STALE_LOCK_S: a build killed mid-way (a replica stopped
+    while compiling) leaves it behind, and torch waits on it forever at every later load."""
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def _put_ninja_on_path() -> None:

@@ -163,6 +163,9 @@ class NixlKVClient(KVClient):
                 return
             except grpc.aio.AioRpcError as exc:
                 raise rpc_error(exc, handle) from None
+            except Unavailable:  # the peer's agent disconnected: load it again next time
+                self._forget(handle.endpoint)
+                raise
             finally:
                 call.cancel()
 

@@ -36,7 +36,13 @@ import numpy as np
 import torch
 
 from cluster.engine.kv_cache import KVLayout
-from cluster.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from cluster.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    PdServeError,
+    Unavailable,
+)
 from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
@@ -44,6 +50,8 @@ MEM_TYPES = ("DRAM", "VRAM")
 MAX_METADATA_BYTES = 1 << 20  # an agent's metadata is a few KiB
 MAX_POOL_BLOCKS = 1 << 24
 _LOCAL = "NIXL_INIT_AGENT"
+
+log = logging.getLogger(__name__)
 
 
 def load_nixl() -> Any:
@@ -210,22 +218,38 @@ class NixlPool:
                 raise InvalidArgument(f"block ids out of range for a pool of {n} blocks")
         local = self.block_indices(local_blocks, region.num_blocks)
         remote = self.block_indices(remote_blocks, peer.num_blocks)
-        handle = self.agent.make_prepped_xfer("READ", region.dlist, local, peer.dlist, remote)
         try:
-            state = self.agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(f"NIXL read from {peer.name} timed out")
-                time.sleep(20e-6)
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise Unavailable(f"NIXL read from {peer.name} failed ({state})")
+            handle = self.agent.make_prepped_xfer("READ", region.dlist, local, peer.dlist, remote)
+        except Exception as exc:  # NIXL's own errors: the peer is gone or refuses
+            raise Unavailable(f"NIXL read from {peer.name} not posted: {exc!r}") from None
+        try:
+            self._wait(handle, peer.name, timeout_s)
             if not self.telemetry:
                 return len(local)
             return int(self.agent.get_xfer_telemetry(handle).descCount)
         finally:
-            handle.release()
+            try:
+                handle.release()
+            except Exception as exc:  # a transfer to a dead peer may refuse its release
+                log.warning("NIXL transfer handle not released: %r", exc)
+
+    def _wait(self, handle: Any, peer_name: str, timeout_s: float) -> None:
+        """Post the READ and wait for it. A peer that died mid-way makes NIXL raise its own
+        error (nixlRemoteDisconnectError): Unavailable, so the request is prefilled again."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            state = self.agent.transfer(handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"NIXL read from {peer_name} timed out")
+                time.sleep(20e-6)
+                state = self.agent.check_xfer_state(handle)
+        except PdServeError:
+            raise
+        except Exception as exc:
+            raise Unavailable(f"NIXL read from {peer_name} failed: {exc!r}") from None
+        if state != "DONE":
+            raise Unavailable(f"NIXL read from {peer_name} failed ({state})")
 
     def block_indices(self, blocks: list[int], num_blocks: int) -> np.ndarray:
         """Indexes into a prepared list (rows K layer 0..L-1, then V; `num_blocks` per row) of

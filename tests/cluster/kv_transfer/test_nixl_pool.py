@@ -4,6 +4,9 @@ before NIXL sees any of it, and descriptors select exactly the named blocks."""
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing
+import os
+import signal
 import time
 from dataclasses import replace
 
@@ -13,6 +16,7 @@ import torch
 from cluster.engine.kv_cache import KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument, Unavailable
 from cluster.kv_transfer.nixl_pool import NixlPool, check_description, load_nixl
+from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
 try:
     load_nixl()
@@ -102,3 +106,41 @@ def test_a_read_copies_exactly_the_named_blocks_in_order(source) -> None:
             reader.read(peer, local, [0], [10], 1.0)
     finally:
         reader.close()
+
+
+def _serve_pool(conn) -> None:
+    """A source pool in a process of its own: sends its description, then progresses."""
+    pool = NixlPool(LAYOUT, "test-dying-source")
+    region = pool.register(*pool_tensors(10, 1))
+    conn.send_bytes(pool.describe(region).SerializeToString())
+    while True:
+        pool.progress()
+        time.sleep(1e-3)
+
+
+def test_a_read_from_a_peer_that_died_is_unavailable_at_once() -> None:
+    """NIXL raises its own error (nixlRemoteDisconnectError) when the peer's process is gone;
+    the read turns it into Unavailable, which makes the router prefill the request again
+    elsewhere, rather than an INTERNAL error that fails it (seen in CI: a prefill replica
+    killed as its KV was read)."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_serve_pool, args=(theirs,), daemon=True)
+    child.start()
+    reader = NixlPool(LAYOUT, "test-reader")
+    try:
+        assert ours.poll(60), "the source process did not start"
+        desc = pb.NixlPool.FromString(ours.recv_bytes())
+        local = reader.register(*pool_tensors(6, 2))
+        peer = reader.add_peer(desc)
+        assert reader.read(peer, local, [0, 1], [2, 3], 10.0) == 2 * 2 * LAYOUT.num_layers
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        started = time.monotonic()
+        with pytest.raises(Unavailable, match="NIXL read from"):
+            reader.read(peer, local, [0, 1], [2, 3], 10.0)
+        assert time.monotonic() - started < 5.0  # not left to the read's timeout
+    finally:
+        reader.close()
+        if child.is_alive():
+            child.kill()

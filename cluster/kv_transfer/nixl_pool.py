@@ -51,7 +51,7 @@ MAX_METADATA_BYTES = 1 << 20  # an agent's metadata is a few KiB
 MAX_POOL_BLOCKS = 1 << 24
 _LOCAL = "NIXL_INIT_AGENT"
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve." + __name__)
 
 
 def load_nixl() -> Any:

@@ -1,16 +1,22 @@
 """pdserve's C++ sources (`cluster/model/csrc`), compiled on first use into torch's extension cache.
 
 torch's loader holds a file lock while it builds, so concurrent processes (replicas starting
-together) build each module once; later processes load the cached build.
+together) build each module once; later processes load the cached build. That lock is a plain
+file: a build killed mid-way (a replica stopped while compiling) leaves it behind, and torch
+then waits on it forever at every later load. So every load here first takes an advisory lock
+of its own (`flock`, which the kernel drops when its holder dies): holding it, no other pdserve
+process is building, and a torch lock found then is a dead build's, removed at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import shutil
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("ray.serve." + __name__)
@@ -26,33 +32,37 @@ def load_extension(name: str, source: str, openmp: bool = False) -> object | Non
         from torch.utils import cpp_extension
 
         _put_ninja_on_path()
-        clear_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
         flags = ["-O3", "-fopenmp"] if openmp else ["-O3"]
-        return cpp_extension.load(
-            name=name,
-            sources=[str(SOURCES / source)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"] if openmp else [],
-        )
+        with build_guard(cpp_extension._get_build_directory(name, verbose=False)):
+            return cpp_extension.load(
+                name=name,
+                sources=[str(SOURCES / source)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"] if openmp else [],
+            )
     except Exception as e:
         log.warning("native module %s unavailable, using the torch path: %s", name, e)
         return None
 
 
-STALE_LOCK_S = 900.0  # far longer than any build of these kernels takes
+@contextlib.contextmanager
+def build_guard(build_dir: str) -> Iterator[None]:
+    """Hold this build directory's advisory lock (waiting while another process builds or
+    loads); inside it, torch's own lock, if any, is a dead build's and is removed."""
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, GUARD), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            lock = Path(build_dir) / "lock"
+            if lock.exists():
+                log.warning("removing the build lock a killed build left: %s", lock)
+                lock.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
-def clear_stale_lock(build_dir: str) -> None:
-    """Remove a build lock older than STALE_LOCK_S: a build killed mid-way (a replica stopped
-    while compiling) leaves it behind, and torch waits on it forever at every later load."""
-    lock = Path(build_dir) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return  # no lock
-    if age > STALE_LOCK_S:
-        log.warning("removing a stale build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+GUARD = "pdserve.flock"
 
 
 def _put_ninja_on_path() -> None:

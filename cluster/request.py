@@ -9,6 +9,7 @@ from typing import Literal
 from cluster.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "prefilled"]
+MAX_STREAM_INTERVAL = 4096  # tokens per streamed message, at most
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,12 @@ class Request:
     `output_token_ids`: tokens this generation already produced, and the client already has,
     before it resumed on this engine (decode migration). Their KV is computed like the prompt's,
     but they count as output: for `max_tokens`, the sampling positions, penalties and stop
-    strings, so the generation goes on exactly as if it had never moved."""
+    strings, so the generation goes on exactly as if it had never moved.
+
+    `stream_interval`: after the first, a worker sends this request's tokens to the router
+    every `stream_interval` tokens (and with the last), merged into one message: fewer,
+    larger messages on every hop for a client that needs no token-by-token stream (vLLM's
+    `--stream-interval`)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -27,6 +33,7 @@ class Request:
     prefill_only: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: tuple[int, ...] = ()
+    stream_interval: int = 1
 
     @property
     def num_context_tokens(self) -> int:

@@ -30,7 +30,8 @@ class ColocatedWorker(EngineReplica):
         received = time.monotonic()
         request = replace(request, arrival_time=received)
         chunk = partial(self._chunk, received=received)
-        async with self.tokens.sink(route, request.request_id, chunk) as sink:
+        rid, interval = request.request_id, request.stream_interval
+        async with self.tokens.sink(route, rid, chunk, interval) as sink:
             await self.engine.stream_to(request.request_id, lambda e: e.add_request(request), sink)
 
     def _chunk(self, out: StepOutput, first: bool, received: float) -> WorkerChunk:

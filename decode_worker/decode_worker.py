@@ -53,7 +53,8 @@ class DecodeWorker(EngineReplica):
             stream = _DecodeStream(
                 request, nbytes, req.first_token, started, self.replica_id, self.metrics
             )
-            async with self.tokens.sink(route, request.request_id, stream.chunk) as sink:
+            rid, interval = request.request_id, request.stream_interval
+            async with self.tokens.sink(route, rid, stream.chunk, interval) as sink:
                 await self.engine.stream_to(request.request_id, stream.admit, sink)
 
     @asynccontextmanager

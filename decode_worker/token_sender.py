@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from cluster.errors import Unavailable
 from cluster.request import StepOutput
 from cluster.serving.pool_messages import TokenRoute, WorkerChunk
-from cluster.serving.token_wire import encode_frame, encode_merged
+from cluster.serving.token_wire import encode_frame, encode_merged, merge_chunks
 
 # Engine thread: wraps a request's output for the router; (output, is it the first) -> chunk.
 ChunkMaker = Callable[[StepOutput, bool], WorkerChunk]
@@ -39,20 +39,40 @@ class StreamSink:
     """Where one request's outputs go. `done` resolves after its last output was sent and
     fails if the connection broke first."""
 
-    def __init__(self, conn: _Connection, request_id: str, key: bytes, make: ChunkMaker) -> None:
+    def __init__(
+        self,
+        conn: _Connection,
+        request_id: str,
+        key: bytes,
+        make: ChunkMaker,
+        interval: int = 1,
+    ) -> None:
         self.conn = conn
         self.request_id = request_id
         self.key = key
         self.make = make
+        self.interval = interval
         self.first: WorkerChunk | None = None
+        self.waiting: list[WorkerChunk] = []  # outputs held for the stream interval
+        self.waiting_tokens = 0
         self.done: asyncio.Future = conn.loop.create_future()
 
-    def put(self, out: StepOutput) -> _Connection:
-        """Engine thread: queue the output on the connection; the engine flushes it after
-        the step's other outputs joined it."""
+    def put(self, out: StepOutput) -> _Connection | None:
+        """Engine thread: queue the output on the connection (returned: the engine flushes
+        it after the step's other outputs joined it). With a stream interval, outputs after
+        the generation's first token (a decode worker's first output is its second) are held
+        until they make `interval` tokens, or the stream ends, and go as one chunk (None
+        returned while they are held)."""
         chunk = self.make(out, self.first is None)
         if self.first is None:
             self.first = chunk
+        if self.interval > 1 and (out.num_output_tokens > 1 or self.waiting):
+            self.waiting.append(chunk)
+            self.waiting_tokens += len(out.token_ids)
+            if self.waiting_tokens < self.interval and not out.finished:
+                return None
+            chunk = merge_chunks(self.waiting) if len(self.waiting) > 1 else chunk
+            self.waiting, self.waiting_tokens = [], 0
         self.conn.add(self, chunk)
         return self.conn
 
@@ -228,20 +248,23 @@ class TokenSender:
 
     @contextlib.asynccontextmanager
     async def sink(
-        self, route: TokenRoute, request_id: str, make: ChunkMaker
+        self, route: TokenRoute, request_id: str, make: ChunkMaker, interval: int = 1
     ) -> AsyncIterator[StreamSink]:
         """`open` a sink for the body's stream; `discard` it when the body ends."""
-        sink = await self.open(route, request_id, make)
+        sink = await self.open(route, request_id, make, interval)
         try:
             yield sink
         finally:
             self.discard(sink)
 
-    async def open(self, route: TokenRoute, request_id: str, make: ChunkMaker) -> StreamSink:
-        """A sink for `request_id` on the connection to `route.endpoint` (opened on first use).
-        Raises Unavailable when the router cannot be reached."""
+    async def open(
+        self, route: TokenRoute, request_id: str, make: ChunkMaker, interval: int = 1
+    ) -> StreamSink:
+        """A sink for `request_id` on the connection to `route.endpoint` (opened on first use),
+        sending tokens after the first every `interval` (`StreamSink.put`). Raises Unavailable
+        when the router cannot be reached."""
         conn = await self._connection(route.endpoint)
-        sink = StreamSink(conn, request_id, route.key, make)
+        sink = StreamSink(conn, request_id, route.key, make, interval)
         with conn.lock:
             if conn.broken is not None:
                 raise conn.broken

@@ -51,8 +51,10 @@ class GenerationService(Protocol):
         prompt_token_ids: list[int] | None,
         params: SamplingParams,
         request_id: str | None = None,
+        stream_interval: int | None = None,
     ) -> Request:
-        """Hop 1: tokenize and validate. Raises InvalidArgument (naming the field)."""
+        """Hop 1: tokenize and validate. Raises InvalidArgument (naming the field).
+        `stream_interval` None: the server's."""
         ...
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:

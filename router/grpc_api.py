@@ -42,7 +42,11 @@ def request_from_proto(req: pb.GenerateRequest, service: GenerationService) -> R
     )
     params.check_vocab(service.model.vocab_size)
     return service.build_request(
-        req.prompt or None, list(req.prompt_token_ids) or None, params, req.request_id or None
+        req.prompt or None,
+        list(req.prompt_token_ids) or None,
+        params,
+        req.request_id or None,
+        req.stream_interval if req.HasField("stream_interval") else None,
     )
 
 

@@ -33,7 +33,7 @@ from cluster.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted,
 from cluster.kv_transfer.capability import Capability
 from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
 from cluster.model.info import ModelInfo
-from cluster.request import Request
+from cluster.request import MAX_STREAM_INTERVAL, Request
 from cluster.sampling_params import SamplingParams
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
@@ -120,6 +120,7 @@ class Orchestrator:
         prompt_token_ids: list[int] | None,
         params: SamplingParams,
         request_id: str | None = None,
+        stream_interval: int | None = None,
     ) -> Request:
         if prompt and prompt_token_ids:
             raise InvalidArgument("give either prompt or prompt_token_ids, not both", "prompt")
@@ -135,7 +136,15 @@ class Orchestrator:
             fitted = self.info.default_max_tokens(ids, params.max_tokens)
             params = SamplingParams(**{**vars(params), "max_tokens": fitted})
         self.info.check_request(ids, params)
-        return Request(request_id or uuid.uuid4().hex, tuple(ids), params)
+        if stream_interval is None:
+            stream_interval = self.config.stream_interval
+        elif not 1 <= stream_interval <= MAX_STREAM_INTERVAL:
+            raise InvalidArgument(
+                f"stream_interval must be in 1..{MAX_STREAM_INTERVAL}, got {stream_interval}",
+                param="stream_interval",
+            )
+        rid = request_id or uuid.uuid4().hex
+        return Request(rid, tuple(ids), params, stream_interval=stream_interval)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Render chat messages with the tokenizer's chat template, ready to generate."""

@@ -89,6 +89,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds for every replica to be placed and started; then pdserve serve ends, "
         "naming each pool short of replicas and what the cluster has",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="after a stream's first token, send tokens N to a message (the last may have "
+        "fewer) unless a request says otherwise: fewer messages, less CPU per token, a "
+        "burstier stream (vLLM's --stream-interval; default 1: each token at once)",
+    )
     p.add_argument("--demo", action="store_true", help="send one request once it is up")
     p.add_argument("--exit", action="store_true", help="shut down after deploying (and --demo)")
     _add_autoscaling_arguments(p)
@@ -259,6 +268,7 @@ def _config_from_flags(args: argparse.Namespace) -> AppConfig:
         base,
         model=model,
         mode=args.mode,
+        stream_interval=args.stream_interval,
         prefill=replace(
             base.prefill,
             replicas=args.prefill_replicas,

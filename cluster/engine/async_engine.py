@@ -37,7 +37,7 @@ class StepSink(Protocol):
 
     done: asyncio.Future
 
-    def put(self, out: StepOutput) -> Flushable: ...
+    def put(self, out: StepOutput) -> Flushable | None: ...
 
     def fail(self, exc: BaseException) -> None:
         """Event loop thread: the request will get no more outputs."""
@@ -262,7 +262,8 @@ class AsyncEngine:
             if out.finished:
                 del self._sinks[out.request_id]
             conn = sink.put(out)
-            touched[id(conn)] = conn
+            if conn is not None:  # None: held for the request's stream interval
+                touched[id(conn)] = conn
         for conn in touched.values():
             for request_id in conn.flush():
                 self._drop_sink(self.engine, request_id)

@@ -28,6 +28,7 @@ from cluster.config import (
     parse_config,
 )
 from cluster.errors import InvalidArgument
+from cluster.request import MAX_STREAM_INTERVAL
 from cluster.serving.autoscaling import (
     DECODE_TARGETS,
     PREFILL_TARGETS,
@@ -186,6 +187,8 @@ class AppConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     default_max_tokens: int = 256
+    # Tokens per streamed message after the first, unless a request says (1: each at once).
+    stream_interval: int = 1
     request_timeout_seconds: float = 300.0
     # Retries of the prefill hop (and of the whole request when a lease expired) on UNAVAILABLE.
     max_retries: int = 2
@@ -201,6 +204,10 @@ class AppConfig:
             raise ConfigError("prefill and decode pools must use the same KV block_size")
         if self.default_max_tokens <= 0 or self.request_timeout_seconds <= 0:
             raise ConfigError("default_max_tokens and request_timeout_seconds must be > 0")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ConfigError(
+                f"stream_interval must be in 1..{MAX_STREAM_INTERVAL}, got {self.stream_interval}"
+            )
         if self.max_retries < 0 or self.max_migrations < 0:
             raise ConfigError("max_retries and max_migrations must be >= 0")
         # A plain PoolConfig (built in Python) becomes the router's, checked as one.

@@ -20,7 +20,7 @@ from cluster.errors import Unavailable
 from cluster.request import Request, StepOutput
 from cluster.serving.pool_messages import TokenRoute, WorkerChunk
 from cluster.serving.token_wire import decode_items, read_frame
-from decode_worker.token_sender import TokenSender, _Connection
+from decode_worker.token_sender import StreamSink, TokenSender, _Connection
 from router.token_stream import TokenStreamServer
 from tests.conftest import greedy, prompt
 
@@ -229,6 +229,72 @@ def test_a_router_that_stops_reading_gets_held_outputs_merged_then_is_cut_off():
             lost = step()
         assert lost == ["r1"] and isinstance(conn.broken, Unavailable)
         assert len(conn.pending) < 1 << 20  # bounded: one frame at most, the rest held
+        writer.close()
+
+    asyncio.run(go())
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_every_n_merged():
+    """`StreamSink` with interval 4 over 11 outputs (the last finishes the stream): the first
+    goes alone, then groups of 4 tokens, then the 2 left with the finish reason; texts and
+    the first chunk's phases ride along, and held outputs are not flushed."""
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        conn = _Connection(ours, loop, max_pending=1 << 20)
+        sink = StreamSink(conn, "r1", bytes(16), chunk_maker("w0"), interval=4)
+        conn.sinks["r1"] = sink
+        flushed = []
+        for i in range(11):
+            reason = "length" if i == 10 else None
+            target = sink.put(StepOutput("r1", (i,), f"t{i}", reason, 3, i + 1))
+            flushed.append(target is not None)
+            if target is not None:
+                assert target is conn and target.flush() == []
+        assert flushed == [True, False, False, False, True, False, False, False, True, False, True]
+        reader, writer = await asyncio.open_connection(sock=theirs)
+        items = []
+        while not items or not items[-1][1].output.finished:
+            items.extend(decode_items(await asyncio.wait_for(read_frame(reader), 10)))
+        groups = [c.output.token_ids for _, c in items]
+        assert groups == [(0,), (1, 2, 3, 4), (5, 6, 7, 8), (9, 10)]
+        assert [c.output.text for _, c in items][1] == "t1t2t3t4"
+        assert items[-1][1].output.finish_reason == "length"
+        assert items[-1][1].output.num_output_tokens == 11
+        assert [c.kv_transfer_seconds for _, c in items] == [1.5, 0.0, 0.0, 0.0]
+        await sink.done  # settled once its last output went out
+        writer.close()
+
+    asyncio.run(go())
+
+
+def test_an_abort_flushes_the_outputs_held_for_the_interval():
+    """An abort (a finished output without tokens) ends the hold: the held tokens go with
+    it, so the router can pass them on before it resumes the stream elsewhere."""
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        conn = _Connection(ours, loop, max_pending=1 << 20)
+        sink = StreamSink(conn, "r1", bytes(16), chunk_maker("w0"), interval=8)
+        conn.sinks["r1"] = sink
+        for i in range(3):
+            target = sink.put(StepOutput("r1", (i,), "", None, 3, i + 1))
+            assert (target is not None) == (i == 0)
+            if target is not None:
+                target.flush()
+        sink.put(StepOutput("r1", (), "", "abort", 3, 3)).flush()
+        reader, writer = await asyncio.open_connection(sock=theirs)
+        items = []
+        while not items or not items[-1][1].output.finished:
+            items.extend(decode_items(await asyncio.wait_for(read_frame(reader), 10)))
+        assert [(c.output.token_ids, c.output.finish_reason) for _, c in items] == [
+            ((0,), None),
+            ((1, 2), "abort"),
+        ]
         writer.close()
 
     asyncio.run(go())

@@ -15,7 +15,7 @@ from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.e2e.conftest import PD
 from tests.e2e.grpc_calls import generate, greedy_sampling, tokens
-from tests.ray_fixtures import app_metadata, wait_for_idle
+from tests.ray_fixtures import app_metadata, stub, wait_for_idle
 
 # A client whose reads hold the stream back: it announces a 1 KiB receive window and never
 # grows it (grpc's default starts at 64 KiB and grows with use, so a slow reader of a short
@@ -86,4 +86,25 @@ def test_a_cancel_on_the_routers_own_endpoint_frees_everything(apps):
                 break
         call.cancel()
     assert got >= 3
+    wait_for_idle(apps, PD, {"prefill", "decode"})
+
+
+def test_a_stream_interval_sends_the_first_token_then_groups_of_n(apps, tokenizer_model_dir, hf):
+    """`GenerateRequest.stream_interval` 8 over 50 greedy tokens: the first token alone
+    (TTFT unchanged), then 8 tokens a message, the last 1 with the finish reason and usage;
+    the transformers oracle's tokens. 0 is refused, naming the field."""
+    request = pb.GenerateRequest(
+        prompt_token_ids=PROMPT, sampling=greedy_sampling(50), stream_interval=8
+    )
+    msgs = list(stub(apps).Generate(request, metadata=app_metadata(PD)))
+    assert [len(m.token_ids) for m in msgs] == [1, 8, 8, 8, 8, 8, 8, 1]
+    hf.assert_greedy(tokenizer_model_dir, PROMPT, tokens(msgs), 50)
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert msgs[-1].usage.completion_tokens == 50
+    for bad in (0, 5000):
+        request.stream_interval = bad
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub(apps).Generate(request, metadata=app_metadata(PD)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stream_interval" in e.value.details()
     wait_for_idle(apps, PD, {"prefill", "decode"})

@@ -51,13 +51,16 @@ class FakeService:
             params = replace(params, seed=random.getrandbits(63))
         return params
 
-    def build_request(self, prompt, prompt_token_ids, params, request_id=None) -> Request:
+    def build_request(
+        self, prompt, prompt_token_ids, params, request_id=None, stream_interval=None
+    ) -> Request:
         if prompt and prompt_token_ids:
             raise InvalidArgument("give either prompt or prompt_token_ids, not both", "prompt")
         ids = prompt_token_ids or [ord(c) % 100 for c in prompt or ""]
         if not ids:
             raise InvalidArgument("prompt is empty", param="prompt")
-        request = Request(request_id or uuid.uuid4().hex, tuple(ids), params)
+        rid = request_id or uuid.uuid4().hex
+        request = Request(rid, tuple(ids), params, stream_interval=stream_interval or 1)
         self.requests.append(request)
         return request
 

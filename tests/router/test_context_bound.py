@@ -9,7 +9,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from cluster.config import ModelConfig, TransferConfig
+from cluster.config import ConfigError, ModelConfig, TransferConfig
 from cluster.errors import InvalidArgument
 from cluster.model.info import ArchSpec, ModelInfo
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -22,6 +22,7 @@ from tests.router.fake_service import assert_error
 
 CONTEXT = 128
 SERVER_DEFAULT = 16
+SERVER_INTERVAL = 3
 PROMPT = list(range(1, 101))  # 100 tokens: 28 left for the completion
 
 
@@ -35,6 +36,7 @@ def orch() -> Orchestrator:
         model=ModelConfig(path="/m"),
         transfer=TransferConfig(secret="5e" * 32),
         default_max_tokens=SERVER_DEFAULT,
+        stream_interval=SERVER_INTERVAL,
     )
     return Orchestrator(config, info, None, None, None, None)
 
@@ -95,3 +97,20 @@ def test_grpc_an_unset_max_tokens_is_the_server_default_fitted_to_the_context(
     )
     assert request.params.max_tokens == want
     assert type(request.params) is SamplingParams  # the marker never leaves the router
+
+
+def test_a_requests_stream_interval_is_its_own_or_the_servers(orch):
+    """Unset, a gRPC request streams at the server's `stream_interval`; set, at its own;
+    0 or past 4,096 it is refused naming the field. The config refuses the same bounds."""
+    assert _grpc(orch, 8).stream_interval == SERVER_INTERVAL
+    sampling = pb.SamplingParams(max_tokens=8)
+    own = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling, stream_interval=5)
+    assert request_from_proto(own, orch).stream_interval == 5
+    for bad in (0, 4097):
+        own.stream_interval = bad
+        with pytest.raises(InvalidArgument, match="stream_interval") as e:
+            request_from_proto(own, orch)
+        assert e.value.param == "stream_interval"
+    for bad in (0, 4097):
+        with pytest.raises(ConfigError, match="stream_interval"):
+            AppConfig(model=ModelConfig(path="/m"), stream_interval=bad)

@@ -60,9 +60,10 @@ def test_the_flags_reach_the_model_and_both_engine_pools(monkeypatch):
             "--model", "/models/m", "--served-model-name", "chat", "--revision", "v2",
             "--max-model-len", "4096", "--max-num-seqs", "64", "--num-kv-blocks", "900",
             "--gpu-memory-utilization", "0.8", "--kv-cache-memory", "2GiB",
-            "--max-num-batched-tokens", "2048", "--enforce-eager",
+            "--max-num-batched-tokens", "2048", "--enforce-eager", "--stream-interval", "4",
         )
     )  # fmt: skip
+    assert config.stream_interval == 4
     model = config.model
     assert (model.served_name, model.revision, model.max_model_len) == ("chat", "v2", 4096)
     assert not model.cuda_graphs
@@ -80,6 +81,7 @@ def test_without_flags_the_pool_and_budget_are_sized_by_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = _config_from_flags(flags("--model", "/models/m"))
     assert config.model.cuda_graphs  # decode replays CUDA graphs where it runs on a GPU
+    assert config.stream_interval == 1  # each token as soon as it exists
     assert config.decode.num_gpus == 0.0 and config.decode.cache.num_blocks is None
     assert config.decode.scheduler.max_num_batched_tokens is None
 

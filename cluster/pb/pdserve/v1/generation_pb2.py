@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x8c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\"\xf6\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x04\x88\x01\x01\x12=\n\nlogit_bias\x18\n \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\r\n\x05min_p\x18\x0e \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"\xea\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"M\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xee\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fprefill_replica\x18\x07 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_replica\x18\x08 \x01(\t\x12\x12\n\nmigrations\x18\t \x01(\r\"\x15\n\x13GetModelInfoRequest\"~\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0c\n\x04mode\x18\x06 \x01(\t\"\x11\n\x0fGetStatsRequest\"w\n\x0c\x43lusterStats\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.ReplicaStats\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\x12\x14\n\x0ckv_transport\x18\x03 \x01(\t\"\xb6\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12\x18\n\x10\x63urrent_replicas\x18\x03 \x01(\r\x12\x17\n\x0ftarget_replicas\x18\x04 \x01(\r\x12\x14\n\x0cmin_replicas\x18\x05 \x01(\r\x12\x14\n\x0cmax_replicas\x18\x06 \x01(\r\x12\'\n\x07signals\x18\x07 \x03(\x0b\x32\x16.pdserve.v1.LoadSignal\"E\n\nLoadSignal\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x1a\n\x12target_per_replica\x18\x03 \x01(\x01\"\x86\x02\n\x0cReplicaStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_leased\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\x15\n\rgrpc_endpoint\x18\x0b \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12\x41\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x18.pdserve.v1.ClusterStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xbe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x1c\n\x0fstream_interval\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_stream_interval\"\xf6\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x04\x88\x01\x01\x12=\n\nlogit_bias\x18\n \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\r\n\x05min_p\x18\x0e \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"\xea\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"M\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xee\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fprefill_replica\x18\x07 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_replica\x18\x08 \x01(\t\x12\x12\n\nmigrations\x18\t \x01(\r\"\x15\n\x13GetModelInfoRequest\"~\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0c\n\x04mode\x18\x06 \x01(\t\"\x11\n\x0fGetStatsRequest\"w\n\x0c\x43lusterStats\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.ReplicaStats\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\x12\x14\n\x0ckv_transport\x18\x03 \x01(\t\"\xb6\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12\x18\n\x10\x63urrent_replicas\x18\x03 \x01(\r\x12\x17\n\x0ftarget_replicas\x18\x04 \x01(\r\x12\x14\n\x0cmin_replicas\x18\x05 \x01(\r\x12\x14\n\x0cmax_replicas\x18\x06 \x01(\r\x12\'\n\x07signals\x18\x07 \x03(\x0b\x32\x16.pdserve.v1.LoadSignal\"E\n\nLoadSignal\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x1a\n\x12target_per_replica\x18\x03 \x01(\x01\"\x86\x02\n\x0cReplicaStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_leased\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\x15\n\rgrpc_endpoint\x18\x0b \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12\x41\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x18.pdserve.v1.ClusterStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,38 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2198
-  _globals['_FINISHREASON']._serialized_end=2318
+  _globals['_FINISHREASON']._serialized_start=2248
+  _globals['_FINISHREASON']._serialized_end=2368
   _globals['_GENERATEREQUEST']._serialized_start=44
-  _globals['_GENERATEREQUEST']._serialized_end=184
-  _globals['_SAMPLINGPARAMS']._serialized_start=187
-  _globals['_SAMPLINGPARAMS']._serialized_end=689
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=555
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=603
-  _globals['_GENERATERESPONSE']._serialized_start=692
-  _globals['_GENERATERESPONSE']._serialized_end=926
-  _globals['_TOKENLOGPROB']._serialized_start=928
-  _globals['_TOKENLOGPROB']._serialized_end=1005
-  _globals['_TOPLOGPROB']._serialized_start=1007
-  _globals['_TOPLOGPROB']._serialized_end=1054
-  _globals['_USAGE']._serialized_start=1056
-  _globals['_USAGE']._serialized_end=1143
-  _globals['_TIMING']._serialized_start=1146
-  _globals['_TIMING']._serialized_end=1384
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1386
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1407
-  _globals['_MODELINFO']._serialized_start=1409
-  _globals['_MODELINFO']._serialized_end=1535
-  _globals['_GETSTATSREQUEST']._serialized_start=1537
-  _globals['_GETSTATSREQUEST']._serialized_end=1554
-  _globals['_CLUSTERSTATS']._serialized_start=1556
-  _globals['_CLUSTERSTATS']._serialized_end=1675
-  _globals['_POOLSTATUS']._serialized_start=1678
-  _globals['_POOLSTATUS']._serialized_end=1860
-  _globals['_LOADSIGNAL']._serialized_start=1862
-  _globals['_LOADSIGNAL']._serialized_end=1931
-  _globals['_REPLICASTATS']._serialized_start=1934
-  _globals['_REPLICASTATS']._serialized_end=2196
-  _globals['_GENERATION']._serialized_start=2321
-  _globals['_GENERATION']._serialized_end=2545
+  _globals['_GENERATEREQUEST']._serialized_end=234
+  _globals['_SAMPLINGPARAMS']._serialized_start=237
+  _globals['_SAMPLINGPARAMS']._serialized_end=739
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=605
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=653
+  _globals['_GENERATERESPONSE']._serialized_start=742
+  _globals['_GENERATERESPONSE']._serialized_end=976
+  _globals['_TOKENLOGPROB']._serialized_start=978
+  _globals['_TOKENLOGPROB']._serialized_end=1055
+  _globals['_TOPLOGPROB']._serialized_start=1057
+  _globals['_TOPLOGPROB']._serialized_end=1104
+  _globals['_USAGE']._serialized_start=1106
+  _globals['_USAGE']._serialized_end=1193
+  _globals['_TIMING']._serialized_start=1196
+  _globals['_TIMING']._serialized_end=1434
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1436
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1457
+  _globals['_MODELINFO']._serialized_start=1459
+  _globals['_MODELINFO']._serialized_end=1585
+  _globals['_GETSTATSREQUEST']._serialized_start=1587
+  _globals['_GETSTATSREQUEST']._serialized_end=1604
+  _globals['_CLUSTERSTATS']._serialized_start=1606
+  _globals['_CLUSTERSTATS']._serialized_end=1725
+  _globals['_POOLSTATUS']._serialized_start=1728
+  _globals['_POOLSTATUS']._serialized_end=1910
+  _globals['_LOADSIGNAL']._serialized_start=1912
+  _globals['_LOADSIGNAL']._serialized_end=1981
+  _globals['_REPLICASTATS']._serialized_start=1984
+  _globals['_REPLICASTATS']._serialized_end=2246
+  _globals['_GENERATION']._serialized_start=2371
+  _globals['_GENERATION']._serialized_end=2595
 # @@protoc_insertion_point(module_scope)

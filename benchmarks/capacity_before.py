@@ -40,6 +40,7 @@ def summary(points: list[Point]) -> list[dict]:
         {
             "streams": p.streams,
             "path": p.path,
+            "interval": p.interval,
             "itl_p50": p.load.itl(0.5),
             "itl_p99": p.load.itl(0.99),
             "ttft_p50": p.load.ttft(0.5),

@@ -65,6 +65,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=256, help="output tokens per stream")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per stream")
     p.add_argument("--paths", default=",".join(PATHS), help="proxy, direct or both")
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="K",
+        help="K > 1: also run every N and path with GenerateRequest.stream_interval K "
+        "(tokens per message after the first), reported beside the default stream",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU window")
     p.add_argument(
@@ -99,6 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.stream_counts = [int(x) for x in a.streams.split(",") if x]
     a.path_names = [x for x in a.paths.split(",") if x]
+    a.intervals = [1] if a.stream_interval <= 1 else [1, a.stream_interval]
     if not a.stream_counts or not set(a.path_names) <= set(PATHS) or not a.path_names:
         p.error(f"--streams needs N values and --paths some of {', '.join(PATHS)}")
     if (a.engine_cpus or a.gpu_step_ms) and a.grpc_port:
@@ -166,12 +175,13 @@ def own_cpu() -> float:
 
 
 def served(
-    target: str, pids: dict[str, int], batch: list[list[int]], tokens: int
+    target: str, pids: dict[str, int], batch: list[list[int]], tokens: int, interval: int = 1
 ) -> tuple[LoadResult, dict[str, float]]:
-    """The load through `target`, and each process's CPU seconds meanwhile (this one as
-    "client")."""
+    """The load through `target` (at `interval` tokens per message), and each process's CPU
+    seconds meanwhile (this one as "client")."""
     before, own = cpu_seconds(pids), own_cpu()
-    load = run_load(target, APP, [greedy_request(p, tokens) for p in batch])
+    requests = [greedy_request(p, tokens, interval if interval > 1 else 0) for p in batch]
+    load = run_load(target, APP, requests)
     after, own_after = cpu_seconds(pids), own_cpu()
     cpu = {name: after[name] - before[name] for name in after if name in before}
     cpu["client"] = own_after - own
@@ -228,12 +238,15 @@ def measure_engine(grpc_port: int, a: argparse.Namespace, checkpoint: str, engin
             alone = engine.tok_per_s(batch, a.tokens)
             runs = {}
             for path in a.path_names:
-                runs[path] = served(to[path], pids, batch, a.tokens)
-                log(f"{engine_kind} N={n} {path}: {runs[path][0].tok_per_s:.0f} tok/s")
+                for interval in a.intervals:
+                    run = served(to[path], pids, batch, a.tokens, interval)
+                    runs[path, interval] = run
+                    log(f"{engine_kind} N={n} {path}/{interval}: {run[0].tok_per_s:.0f} tok/s")
             alone = (alone + engine.tok_per_s(batch, a.tokens)) / 2
             log(f"{engine_kind} N={n}: {alone:.0f} tok/s alone")
             points += [
-                Point(n, path, load, alone, cpu, engine_kind) for path, (load, cpu) in runs.items()
+                Point(n, path, load, alone, cpu, engine_kind, interval)
+                for (path, interval), (load, cpu) in runs.items()
             ]
         engine.close()
         return points, idle, kv_transport(app)

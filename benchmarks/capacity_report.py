@@ -37,6 +37,7 @@ class Point:
     alone_tok_s: float
     cpu_s: dict[str, float]
     engine: str = "model"  # "model": the tiny model; "paced": the emulated GPU engine
+    interval: int = 1  # the requests' stream_interval
 
     def us_per_token(self, process: str) -> float:
         return 1e6 * self.cpu_s.get(process, math.nan) / self.load.tokens
@@ -98,6 +99,8 @@ def verdicts(points: list[Point]) -> list[str]:
         if p.streams != TARGET_STREAMS:
             continue
         what = p.path if p.engine == "model" else f"{p.path} (emulated GPU engine)"
+        if p.interval > 1:
+            what += f", stream_interval {p.interval}"
         lines += [
             f"- {what}, N = {TARGET_STREAMS}: proxy + router {p.path_us:,.0f} µs CPU per "
             f"delivered token, target ≤ {TARGET_PATH_US:.0f}: "
@@ -122,7 +125,8 @@ def against_before(rev: str, before: list[dict], points: list[Point]) -> list[st
             (
                 p
                 for p in points
-                if (p.streams, p.path, p.engine) == (then["streams"], then["path"], "model")
+                if (p.streams, p.path, p.engine, p.interval)
+                == (then["streams"], then["path"], "model", 1)
             ),
             None,
         )
@@ -162,9 +166,15 @@ def render(
     ]
     for engine in ENGINES:
         for path in a.path_names:
-            at = [p for p in points if p.path == path and p.engine == engine]
-            if at:
+            for interval in getattr(a, "intervals", [1]):
+                at = [
+                    p for p in points if (p.path, p.engine, p.interval) == (path, engine, interval)
+                ]
+                if not at:
+                    continue
                 title = f"{path}: {PATH_TITLES[path]}{ENGINES[engine].format(a.gpu_step_ms)}"
+                if interval > 1:
+                    title += f", stream_interval {interval} (tokens per message after the first)"
                 lines += ["", f"## {title}", "", *table(at)]
     if before is not None:
         lines += ["", f"## Against {a.before}", "", *against_before(a.before, before, points)]

@@ -76,9 +76,15 @@ class LoadResult:
         return float(np.quantile(values, q)) if values else float("nan")
 
 
-def greedy_request(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
+def greedy_request(
+    prompt: list[int], max_tokens: int, stream_interval: int = 0
+) -> pb.GenerateRequest:
+    """`stream_interval` 0: the server's."""
     sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+    if stream_interval:
+        request.stream_interval = stream_interval
+    return request
 
 
 async def _stream(stub, request: pb.GenerateRequest, app: str) -> StreamRecord:

@@ -20,15 +20,24 @@ def numbers(cell: str) -> list[float]:
 
 def test_small_run_reports_both_paths_for_each_n(ray_serve, tmp_path):
     out = tmp_path / "capacity.md"
-    argv = ["--streams", "1,3", "--tokens", "12", "--idle-seconds", "0.5"]
+    argv = ["--streams", "1,3", "--tokens", "12", "--idle-seconds", "0.5", "--stream-interval", "4"]
     argv += ["--grpc-port", str(ray_serve.grpc_port), "--out", str(out)]
     report = capacity_bench.main(argv)
     assert out.read_text("utf-8") == report
     assert "(no N = 64 run: targets not checked)" in report
 
     tables = report.split("## Targets")[0]
-    _, proxy, direct = re.split(r"^## (?:proxy|direct):.*$", tables, flags=re.M)
-    for table in (proxy, direct):
+    titles = re.findall(r"^## ((?:proxy|direct):.*)$", tables, flags=re.M)
+    assert [t.endswith("(tokens per message after the first)") for t in titles] == [
+        False,
+        True,
+        False,
+        True,
+    ], titles
+    _, proxy, proxy_4, direct, direct_4 = re.split(r"^## (?:proxy|direct):.*$", tables, flags=re.M)
+    for table in (proxy_4, direct_4):  # 12 tokens: 1, then 4, 4 and 3 (or fewer messages)
+        assert all(numbers(c)[0] >= 3 for c in cells(table, "tokens per message")), table
+    for table in (proxy, direct, proxy_4, direct_4):
         assert cells(table, "streams (N)") == ["1", "3"]
         for label in ("delivered tok/s", "engine alone tok/s", "delivered / engine alone"):
             assert all(numbers(c)[0] > 0 for c in cells(table, label)), label

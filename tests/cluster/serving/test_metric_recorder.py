@@ -3,10 +3,12 @@ and merged tags reach Ray's recording call), and refuses missing tags as `observ
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from ray.serve.metrics import Histogram
 
-from cluster.serving.metric_recorder import fan_out, recorder
+from cluster.serving.metric_recorder import Batched, fan_out, recorder
 from cluster.serving.metrics import PoolMetrics
 
 
@@ -67,3 +69,26 @@ def test_pool_metrics_recorder_reaches_the_pdserve_series_and_its_vllm_mirrors()
     for calls in got.values():
         assert [v for v, _ in calls] == [0.01, 0.02]
         assert all(tags["model_name"] == "my-model" for _, tags in calls)
+
+
+def test_batched_values_are_all_recorded_in_order_once_the_batch_is_due():
+    """On a running loop nothing reaches Ray's call at once; `flush_s` later every value
+    does, each its own observation, in order; the next value starts a new batch. Outside a
+    loop a value is recorded at once."""
+    h, spy = _histogram("pdserve_test_batched")
+    record = Batched(recorder(h, {"reason": "x"}), flush_s=0.05)
+
+    async def go() -> None:
+        for v in (0.1, 0.2, 0.2):
+            record(v)
+        assert spy.calls == []
+        await asyncio.sleep(0.2)
+        assert [v for v, _ in spy.calls] == [0.1, 0.2, 0.2]
+        record(0.3)
+        assert len(spy.calls) == 3
+        await asyncio.sleep(0.2)
+        assert [v for v, _ in spy.calls] == [0.1, 0.2, 0.2, 0.3]
+
+    asyncio.run(go())
+    record(0.4)
+    assert [v for v, _ in spy.calls][-1] == 0.4 and not record.values

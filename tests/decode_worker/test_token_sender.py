@@ -234,38 +234,51 @@ def test_a_router_that_stops_reading_gets_held_outputs_merged_then_is_cut_off():
     asyncio.run(go())
 
 
+def interval_sink(interval: int) -> tuple[StreamSink, socket.socket]:
+    """A sink of request "r1" with `interval` on a connection to a socketpair; the other end."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    conn = _Connection(ours, asyncio.get_running_loop(), max_pending=1 << 20)
+    sink = StreamSink(conn, "r1", bytes(16), chunk_maker("w0"), interval=interval)
+    conn.sinks["r1"] = sink
+    return sink, theirs
+
+
+def put(sink: StreamSink, i: int, reason=None, text: str = "") -> bool:
+    """Output `i` of r1 (its token is `i`, its count i + 1) to `sink`; whether it went out."""
+    tokens = () if reason == "abort" else (i,)
+    target = sink.put(StepOutput("r1", tokens, text, reason, 3, i + 1))
+    if target is not None:
+        assert target is sink.conn and target.flush() == []
+    return target is not None
+
+
+async def items_to_the_end(theirs: socket.socket) -> list[WorkerChunk]:
+    """The chunks read from the other end up to the finished one."""
+    reader, writer = await asyncio.open_connection(sock=theirs)
+    items: list = []
+    while not items or not items[-1][1].output.finished:
+        items.extend(decode_items(await asyncio.wait_for(read_frame(reader), 10)))
+    writer.close()
+    return [chunk for _, chunk in items]
+
+
 def test_a_stream_interval_sends_the_first_token_at_once_then_every_n_merged():
     """`StreamSink` with interval 4 over 11 outputs (the last finishes the stream): the first
     goes alone, then groups of 4 tokens, then the 2 left with the finish reason; texts and
     the first chunk's phases ride along, and held outputs are not flushed."""
 
     async def go():
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        ours.setblocking(False)
-        conn = _Connection(ours, loop, max_pending=1 << 20)
-        sink = StreamSink(conn, "r1", bytes(16), chunk_maker("w0"), interval=4)
-        conn.sinks["r1"] = sink
-        flushed = []
-        for i in range(11):
-            reason = "length" if i == 10 else None
-            target = sink.put(StepOutput("r1", (i,), f"t{i}", reason, 3, i + 1))
-            flushed.append(target is not None)
-            if target is not None:
-                assert target is conn and target.flush() == []
+        sink, theirs = interval_sink(4)
+        flushed = [put(sink, i, "length" if i == 10 else None, f"t{i}") for i in range(11)]
         assert flushed == [True, False, False, False, True, False, False, False, True, False, True]
-        reader, writer = await asyncio.open_connection(sock=theirs)
-        items = []
-        while not items or not items[-1][1].output.finished:
-            items.extend(decode_items(await asyncio.wait_for(read_frame(reader), 10)))
-        groups = [c.output.token_ids for _, c in items]
-        assert groups == [(0,), (1, 2, 3, 4), (5, 6, 7, 8), (9, 10)]
-        assert [c.output.text for _, c in items][1] == "t1t2t3t4"
-        assert items[-1][1].output.finish_reason == "length"
-        assert items[-1][1].output.num_output_tokens == 11
-        assert [c.kv_transfer_seconds for _, c in items] == [1.5, 0.0, 0.0, 0.0]
+        chunks = await items_to_the_end(theirs)
+        assert [c.output.token_ids for c in chunks] == [(0,), (1, 2, 3, 4), (5, 6, 7, 8), (9, 10)]
+        assert chunks[1].output.text == "t1t2t3t4"
+        assert chunks[-1].output.finish_reason == "length"
+        assert chunks[-1].output.num_output_tokens == 11
+        assert [c.kv_transfer_seconds for c in chunks] == [1.5, 0.0, 0.0, 0.0]
         await sink.done  # settled once its last output went out
-        writer.close()
 
     asyncio.run(go())
 
@@ -275,26 +288,13 @@ def test_an_abort_flushes_the_outputs_held_for_the_interval():
     it, so the router can pass them on before it resumes the stream elsewhere."""
 
     async def go():
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        ours.setblocking(False)
-        conn = _Connection(ours, loop, max_pending=1 << 20)
-        sink = StreamSink(conn, "r1", bytes(16), chunk_maker("w0"), interval=8)
-        conn.sinks["r1"] = sink
-        for i in range(3):
-            target = sink.put(StepOutput("r1", (i,), "", None, 3, i + 1))
-            assert (target is not None) == (i == 0)
-            if target is not None:
-                target.flush()
-        sink.put(StepOutput("r1", (), "", "abort", 3, 3)).flush()
-        reader, writer = await asyncio.open_connection(sock=theirs)
-        items = []
-        while not items or not items[-1][1].output.finished:
-            items.extend(decode_items(await asyncio.wait_for(read_frame(reader), 10)))
-        assert [(c.output.token_ids, c.output.finish_reason) for _, c in items] == [
+        sink, theirs = interval_sink(8)
+        assert [put(sink, i) for i in range(3)] == [True, False, False]
+        assert put(sink, 2, "abort")
+        chunks = await items_to_the_end(theirs)
+        assert [(c.output.token_ids, c.output.finish_reason) for c in chunks] == [
             ((0,), None),
             ((1, 2), "abort"),
         ]
-        writer.close()
 
     asyncio.run(go())

@@ -294,8 +294,11 @@ class Orchestrator:
             raise
 
     async def close(self) -> None:
-        """Let the lease releases on their way go out; close the KV client."""
+        """Let the lease releases on their way go out; close the KV client; record the
+        metric values still batched."""
         await self.leases.close()
+        if self.metrics is not None:
+            self.metrics.flush()
 
     def _decode(self, request: Request, result: PrefillResult) -> AsyncIterator[WorkerChunk]:
         decode_request = DecodeRequest(request, result.handle, result.first.token_ids[0])

@@ -102,7 +102,7 @@ class PoolMetrics:
         for m in self._m.values():
             m.set_default_tags({"pool": pool})
         self._vllm = VllmMetrics(model_name)
-        self._recorders: dict[tuple, Callable[[float], None]] = {}
+        self._recorders: dict[tuple, Batched] = {}
 
     def observe(self, name: str, value: float, **tags: str) -> None:
         self._m[name].observe(value, tags=tags or None)
@@ -130,6 +130,11 @@ class PoolMetrics:
             made = Batched(fan_out(series))
             self._recorders[key] = made
         return made
+
+    def flush(self) -> None:
+        """Record every value `histogram_recorder`s still hold (at shutdown)."""
+        for batched in self._recorders.values():
+            batched.flush()
 
 
 def pool_metric(name: str, pool: str):

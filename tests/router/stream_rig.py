@@ -95,6 +95,9 @@ class RecordingMetrics:
     def histogram_recorder(self, name: str, **tags: str):
         return lambda value: self.observe(name, value)
 
+    def flush(self) -> None:
+        pass  # records at once
+
 
 def model_info() -> ModelInfo:
     spec = ArchSpec(

@@ -92,3 +92,21 @@ def test_batched_values_are_all_recorded_in_order_once_the_batch_is_due():
     asyncio.run(go())
     record(0.4)
     assert [v for v, _ in spy.calls][-1] == 0.4 and not record.values
+
+
+def test_pool_metrics_flush_records_what_its_recorders_still_hold():
+    """At shutdown (`Orchestrator.close`) no batched value is lost."""
+    metrics = PoolMetrics("router", "my-model")
+    name = "pdserve_inter_token_latency_seconds"
+    spy = Spy()
+    metrics._m[name]._metric = spy
+
+    async def go() -> None:
+        record = metrics.histogram_recorder(name)
+        record(0.5)
+        record(0.25)
+        assert spy.calls == []
+        metrics.flush()
+        assert [v for v, _ in spy.calls] == [0.5, 0.25]
+
+    asyncio.run(go())

@@ -4,11 +4,11 @@ checks the tags at every call, about 5 µs a value through Serve's wrapper; merg
 once, a value costs Ray's recording call alone (about 1.5 µs).
 
 `Batched` goes further for the router's hot path: values are kept in a list and recorded
-together, on the event loop, up to `FLUSH_S` later. One Ray recording call per token in the
-middle of the router's per-message work cost far more than the call alone (the router's CPU per
-token at N = 64 streams: 130 -> 85 µs and 147 -> ~90 in paired runs, benchmarks/README.md);
-the same calls made back to back in one batch cost about what they cost in isolation. Every
-value is still recorded, exactly, each as its own observation.
+together, on the event loop, up to `FLUSH_S` later. py-spy put 13% of the router's samples at
+N = 64 streams in Ray's recording call, one per token per series, far more than the calls cost
+back to back; over five paired runs the router's CPU per token fell 14% on average with them
+batched (one pair of five the other way: benchmarks/README.md, "Capacity"). Every value is
+still recorded, exactly, each as its own observation.
 """
 
 from __future__ import annotations

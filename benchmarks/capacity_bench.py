@@ -180,8 +180,7 @@ def served(
     """The load through `target` (at `interval` tokens per message), and each process's CPU
     seconds meanwhile (this one as "client")."""
     before, own = cpu_seconds(pids), own_cpu()
-    requests = [greedy_request(p, tokens, interval if interval > 1 else 0) for p in batch]
-    load = run_load(target, APP, requests)
+    load = run_load(target, APP, [greedy_request(p, tokens, interval) for p in batch])
     after, own_after = cpu_seconds(pids), own_cpu()
     cpu = {name: after[name] - before[name] for name in after if name in before}
     cpu["client"] = own_after - own

@@ -166,7 +166,7 @@ def render(
     ]
     for engine in ENGINES:
         for path in a.path_names:
-            for interval in getattr(a, "intervals", [1]):
+            for interval in a.intervals:
                 at = [
                     p for p in points if (p.path, p.engine, p.interval) == (path, engine, interval)
                 ]

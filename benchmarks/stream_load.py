@@ -77,12 +77,12 @@ class LoadResult:
 
 
 def greedy_request(
-    prompt: list[int], max_tokens: int, stream_interval: int = 0
+    prompt: list[int], max_tokens: int, stream_interval: int = 1
 ) -> pb.GenerateRequest:
-    """`stream_interval` 0: the server's."""
+    """`stream_interval` 1 is left to the server (whose default is 1)."""
     sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
-    if stream_interval:
+    if stream_interval > 1:
         request.stream_interval = stream_interval
     return request
 

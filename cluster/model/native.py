@@ -22,6 +22,7 @@ from pathlib import Path
 log = logging.getLogger("ray.serve." + __name__)
 
 SOURCES = Path(__file__).parent / "csrc"
+GUARD = "pdserve.flock"  # the advisory lock's file in each build directory
 
 
 @functools.cache
@@ -60,9 +61,6 @@ def build_guard(build_dir: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
-
-
-GUARD = "pdserve.flock"
 
 
 def _put_ninja_on_path() -> None:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
 from cluster.errors import InvalidArgument, NotFound
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
@@ -48,6 +51,18 @@ def request_from_proto(req: pb.GenerateRequest, service: GenerationService) -> R
         req.request_id or None,
         req.stream_interval if req.HasField("stream_interval") else None,
     )
+
+
+async def generate_responses(
+    req: pb.GenerateRequest, service: GenerationService
+) -> AsyncIterator[pb.GenerateResponse]:
+    """`Generate`'s stream, as both gRPC endpoints serve it (Serve's proxy and the router's
+    own): the request validated, then a response per chunk; closing it early closes the
+    service's stream (which aborts the request and frees its KV)."""
+    request = request_from_proto(req, service)
+    async with aclosing(service.generate(request)) as chunks:
+        async for chunk in chunks:
+            yield chunk_to_proto(chunk)
 
 
 def chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateResponse:

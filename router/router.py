@@ -22,7 +22,7 @@ from cluster.serving.metrics import PoolMetrics
 from cluster.serving.stats_registry import registry
 from cluster.serving.vllm_metrics import served_model_name
 from router.endpoint_reporter import EndpointReporter
-from router.grpc_api import chunk_to_proto, model_info_to_proto, request_from_proto, stats_to_proto
+from router.grpc_api import generate_responses, model_info_to_proto, stats_to_proto
 from router.grpc_endpoint import GrpcEndpoint
 from router.openai_api import install_error_handlers, openai_routes
 from router.orchestrator import Orchestrator
@@ -72,10 +72,9 @@ class Router:
         self, request: pb.GenerateRequest, grpc_context
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            req = request_from_proto(request, self.orch)
-            async with aclosing(self.orch.generate(req)) as chunks:
-                async for chunk in chunks:
-                    yield chunk_to_proto(chunk)
+            async with aclosing(generate_responses(request, self.orch)) as responses:
+                async for response in responses:
+                    yield response
         except Exception as e:
             _fail(grpc_context, e)
             raise

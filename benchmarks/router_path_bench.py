@@ -1,0 +1,411 @@
+"""Where the router's CPU per streamed message goes, with Ray left out.
+
+    python -m benchmarks.router_path_bench [--streams 64] [--tokens 256] [--step-ms 10]
+        [--repeats 3] [--preset tiny | --model-dir DIR] [--out FILE]
+
+`capacity_bench` measures the router replica as deployed: its figure holds grpc.aio's own cost
+per message, pdserve's code, and what the Ray worker process adds (its threads, Serve's loops,
+the metrics calls). This splits the first two apart, on the same loop Ray gives an actor
+(uvloop when installed), in a server process of its own per configuration, `--streams`
+streams of `--tokens` one-token messages each, one "engine step" every `--step-ms`:
+
+- gRPC alone: a bare grpc.aio `pdserve.v1.Generation` servicer whose streams all wake from one
+  event per step and yield one small `GenerateResponse` each (the floor of any Python gRPC
+  endpoint).
+- router code, no gRPC: the router's own path for a stream (router/token_stream.py's server,
+  `Orchestrator` in colocated mode with its relay, tally and deadline, and
+  `grpc_api.generate_responses`, which builds the protobuf messages), read by tasks in the
+  server process. A worker double in another process sends each step's outputs for every
+  stream as one frame through the real `TokenSender`, as a decode worker's engine thread does.
+- router code behind its gRPC endpoint: the same, served by `GrpcEndpoint` (the router's
+  direct endpoint) to this process's grpc.aio client: the `direct` path of `capacity_bench`
+  without Ray.
+
+Each figure is the server process's CPU (utime + stime from /proc) over the messages it sent,
+the median of `--repeats` runs; the worker double's CPU per message is shown too. Every run
+checks that each stream got its tokens in order and finished with reason "length".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from benchmarks.options import checkpoint_options, model_dir
+from benchmarks.report import header, log, publish
+
+FIRST_TOKEN = 100  # stream token i is FIRST_TOKEN + i
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--streams", type=int, default=64, help="concurrent streams")
+    p.add_argument("--tokens", type=int, default=256, help="one-token messages per stream")
+    p.add_argument("--step-ms", type=float, default=10.0, help="time between engine steps")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration")
+    checkpoint_options(p, "router_path", preset="tiny")  # the model's config, no weights read
+    return p.parse_args(argv)
+
+
+def run_loop(main) -> None:
+    """`asyncio.run(main)` on uvloop, the loop Ray runs actors on, when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
+def cpu_of(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- the server processes (spawned; each reports where it listens on `ready`) ------------------
+
+
+def grpc_alone(ready, step_s: float) -> None:
+    import grpc
+
+    from cluster.pb.pdserve.v1 import generation_pb2 as pb
+    from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    class Servicer(pb_grpc.GenerationServicer):
+        def __init__(self) -> None:
+            self.step = asyncio.Event()
+
+        async def Generate(self, request, context):
+            for i in range(request.sampling.max_tokens):
+                await self.step.wait()
+                yield pb.GenerateResponse(
+                    request_id=request.request_id, token_ids=[FIRST_TOKEN + i], text=f"<{i}>"
+                )
+            context.set_code(grpc.StatusCode.OK)
+
+    async def main() -> None:
+        servicer = Servicer()
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ready.put(f"127.0.0.1:{port}")
+        while True:
+            servicer.step.set()
+            servicer.step.clear()
+            await asyncio.sleep(step_s)
+
+    run_loop(main())
+
+
+def worker_double(ready, step_s: float) -> None:
+    """Streams for the router: told (request id, endpoint, key, tokens) per line on a control
+    socket, it sends one output per stream per step, each step's as one frame, and answers
+    the request id on the control socket once a stream's last output went out (a Serve call
+    to a worker returns then)."""
+    from cluster.request import StepOutput
+    from cluster.serving.pool_messages import TokenRoute, WorkerChunk
+    from decode_worker.token_sender import TokenSender
+
+    async def main() -> None:
+        sender = TokenSender()
+        streams: dict[str, list] = {}  # request id -> [sink, next index, tokens, control]
+
+        async def control(reader, writer) -> None:
+            while line := await reader.readline():
+                rid, endpoint, key, tokens = line.decode().split()
+                route = TokenRoute(endpoint, bytes.fromhex(key))
+                sink = await sender.open(route, rid, lambda out, first: WorkerChunk(out, "w0"))
+                streams[rid] = [sink, 0, int(tokens), writer]
+
+        server = await asyncio.start_server(control, "127.0.0.1", 0)
+        ready.put(server.sockets[0].getsockname()[1])
+        while True:
+            await asyncio.sleep(step_s)
+            conns = set()
+            for rid, stream in list(streams.items()):
+                sink, i, n, writer = stream
+                finish = "length" if i == n - 1 else None
+                out = StepOutput(rid, (FIRST_TOKEN + i,), f"<{i}>", finish, 3, i + 1)
+                if (conn := sink.put(out)) is not None:
+                    conns.add(conn)
+                stream[1] += 1
+                if finish is not None:
+                    del streams[rid]
+                    writer.write(f"{rid}\n".encode())
+            for conn in conns:
+                conn.flush()
+
+    run_loop(main())
+
+
+def router_code(ready, worker_port: int, checkpoint: str, with_grpc: bool) -> None:
+    """The router's path in a plain process; the worker call is a line to the worker double."""
+    from cluster.config import ModelConfig, TransferConfig
+    from cluster.model.info import describe_model
+    from cluster.pb.pdserve.v1 import generation_pb2 as pb
+    from cluster.serving.app_config import AppConfig
+    from router.grpc_api import generate_responses
+    from router.grpc_endpoint import GrpcEndpoint
+    from router.orchestrator import Orchestrator
+    from router.token_stream import TokenStreamServer
+
+    class Call:
+        """Stands for the Serve call to the worker: it lasts as long as the stream."""
+
+        def __init__(self) -> None:
+            self.done = asyncio.get_running_loop().create_future()
+
+        def __await__(self):
+            return self.done.__await__()
+
+        def cancel(self) -> None:
+            self.done.cancel()
+
+    async def main() -> None:
+        from_worker, to_worker = await asyncio.open_connection("127.0.0.1", worker_port)
+        calls: dict[str, Call] = {}
+
+        def start(request, route) -> Call:
+            key, n = route.key.hex(), request.params.max_tokens
+            to_worker.write(f"{request.request_id} {route.endpoint} {key} {n}\n".encode())
+            calls[request.request_id] = Call()
+            return calls[request.request_id]
+
+        async def returns() -> None:  # the worker calls' ends
+            while line := await from_worker.readline():
+                call = calls.pop(line.decode().strip(), None)
+                if call is not None and not call.done.done():
+                    call.done.set_result(None)
+
+        returning = asyncio.ensure_future(returns())  # noqa: F841 (runs as long as the loop)
+
+        worker = type("Colocated", (), {"generate": type("M", (), {"remote": staticmethod(start)})})
+        config = AppConfig(
+            model=ModelConfig(path=checkpoint),
+            mode="colocated",
+            transfer=TransferConfig(secret="5e" * 32),
+        )
+        tokens = TokenStreamServer("127.0.0.1")
+        await tokens.start()
+        orch = Orchestrator(config, describe_model(config.model), None, None, worker, tokens)
+
+        class Servicer:
+            GetModelInfo = GetStats = None
+
+            async def Generate(self, request, context):  # as `Router.Generate`
+                async with aclosing(generate_responses(request, orch)) as responses:
+                    async for response in responses:
+                        yield response
+
+        if with_grpc:
+            endpoint = GrpcEndpoint("127.0.0.1")
+            ready.put(await endpoint.start(Servicer()))
+            await asyncio.Event().wait()
+
+        async def local(reader, writer) -> None:  # "N T" -> "tokens messages bad-streams"
+            while line := await reader.readline():
+                n, t = map(int, line.split())
+                results = await asyncio.gather(
+                    *[read_generated(generate_responses(request(t), orch)) for _ in range(n)]
+                )
+                writer.write(summary(results, t).encode() + b"\n")
+
+        server = await asyncio.start_server(local, "127.0.0.1", 0)
+        ready.put(f"local:{server.sockets[0].getsockname()[1]}")
+        await asyncio.Event().wait()
+
+    def request(t: int) -> pb.GenerateRequest:
+        req = pb.GenerateRequest(prompt_token_ids=[1, 2, 3])
+        req.sampling.max_tokens = t
+        return req
+
+    run_loop(main())
+
+
+# -- the client ----------------------------------------------------------------------------------
+
+
+async def read_stream(responses) -> tuple[list[int], int, int]:
+    """(token ids, messages, finish reason) of one stream, read to its end."""
+    ids: list[int] = []
+    messages = finish = 0
+    async for msg in responses:
+        ids.extend(msg.token_ids)
+        messages += 1
+        finish = msg.finish_reason or finish
+    return ids, messages, finish
+
+
+async def read_generated(responses) -> tuple[list[int], int, int]:
+    """`read_stream` of an async generator, closed whatever happens."""
+    async with aclosing(responses) as stream:
+        return await read_stream(stream)
+
+
+def summary(results: list[tuple[list[int], int, int]], tokens: int) -> str:
+    """ "tokens messages wrong": `wrong` counts streams whose tokens, or (where the stream sets
+    one) finish reason, are not what was sent."""
+    from cluster.pb.pdserve.v1 import generation_pb2 as pb
+
+    want = [FIRST_TOKEN + i for i in range(tokens)]
+    wrong = sum(
+        ids != want or finish not in (0, pb.FINISH_REASON_LENGTH) for ids, _, finish in results
+    )
+    return f"{sum(len(r[0]) for r in results)} {sum(r[1] for r in results)} {wrong}"
+
+
+async def over_grpc(endpoint: str, streams: int, tokens: int) -> str:
+    import grpc
+
+    from cluster.pb.pdserve.v1 import generation_pb2 as pb
+    from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        def call(i: int):
+            req = pb.GenerateRequest(request_id=f"s{i}", prompt_token_ids=[1, 2, 3])
+            req.sampling.max_tokens = tokens
+            return stub.Generate(req)
+
+        results = await asyncio.gather(*[read_stream(call(i)) for i in range(streams)])
+    return summary(results, tokens)
+
+
+async def in_process(port: int, streams: int, tokens: int) -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"{streams} {tokens}\n".encode())
+    line = await reader.readline()
+    writer.close()
+    return line.decode().strip()
+
+
+@dataclass
+class Runs:
+    label: str
+    server_us: list[float]  # per message, per repeat
+    worker_us: list[float]  # empty: no worker double in this configuration
+    messages: int
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.server_us)
+
+
+def measure(label: str, start: Callable, a: argparse.Namespace) -> Runs:
+    """Start the configuration's processes (`start(ctx, ready)` -> processes, the server
+    first), run the streams `--repeats` times, and stop them."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    procs = start(ctx, ready)
+    try:
+        endpoint = ready.get(timeout=120)
+        server, worker = procs[0], procs[1] if len(procs) > 1 else None
+        runs = Runs(label, [], [], 0)
+        for _ in range(a.repeats):
+            s0, w0 = cpu_of(server.pid), cpu_of(worker.pid) if worker else 0.0
+            if endpoint.startswith("local:"):
+                got = asyncio.run(in_process(int(endpoint[6:]), a.streams, a.tokens))
+            else:
+                got = asyncio.run(over_grpc(endpoint, a.streams, a.tokens))
+            s1, w1 = cpu_of(server.pid), cpu_of(worker.pid) if worker else 0.0
+            tokens, messages, wrong = map(int, got.split())
+            if wrong or tokens != a.streams * a.tokens:
+                raise RuntimeError(f"{label}: {wrong} streams wrong, {tokens} tokens: {got}")
+            runs.server_us.append(1e6 * (s1 - s0) / messages)
+            if worker is not None:
+                runs.worker_us.append(1e6 * (w1 - w0) / messages)
+            runs.messages = messages
+            log(f"{label}: {runs.server_us[-1]:.1f} us per message ({messages} messages)")
+        return runs
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+
+
+def configurations(a: argparse.Namespace, checkpoint: str) -> list[tuple[str, Callable]]:
+    step_s = a.step_ms / 1e3
+
+    def alone(ctx, ready):
+        server = ctx.Process(target=grpc_alone, args=(ready, step_s), daemon=True)
+        server.start()
+        return [server]
+
+    def router(with_grpc: bool):
+        def start(ctx, ready):
+            worker = ctx.Process(target=worker_double, args=(ready, step_s), daemon=True)
+            worker.start()
+            port = ready.get(timeout=120)
+            args = (ready, port, checkpoint, with_grpc)
+            server = ctx.Process(target=router_code, args=args, daemon=True)
+            server.start()
+            return [server, worker]
+
+        return start
+
+    return [
+        ("gRPC alone (grpc.aio servicer)", alone),
+        ("router code, no gRPC", router(False)),
+        ("router code behind its gRPC endpoint", router(True)),
+    ]
+
+
+def share(part: float, whole: float) -> str:
+    """`part` as a percentage of `whole` ("-" for a run too short for /proc's 10 ms ticks)."""
+    return f"{part / whole:.0%}" if whole > 0 else "-"
+
+
+def render(a: argparse.Namespace, argv: list[str], runs: list[Runs], wall_s: float) -> str:
+    alone, code, both = runs
+    lines = header("Router path: CPU per streamed message, Ray left out", "router_path_bench", argv)
+    lines += [
+        f"- load: {a.streams} streams x {a.tokens} one-token messages, an engine step every "
+        f"{a.step_ms:g} ms, {a.repeats} runs per configuration (median shown); "
+        f"wall time {wall_s:.0f} s",
+        "- server process CPU (utime + stime, /proc) over the messages it sent; the worker "
+        "double sends the router's frames (one per step, as a decode worker's engine thread)",
+        "",
+        "| configuration | server CPU µs / message | runs | worker double µs / message |",
+        "|---|---|---|---|",
+    ]
+    for r in runs:
+        each = ", ".join(f"{x:.1f}" for x in r.server_us)
+        worker = f"{statistics.median(r.worker_us):.1f}" if r.worker_us else "-"
+        lines.append(f"| {r.label} | **{r.median:.1f}** | {each} | {worker} |")
+    lines += [
+        "",
+        f"- of the router behind its endpoint ({both.median:.1f} µs), grpc.aio alone accounts "
+        f"for {alone.median:.1f} ({share(alone.median, both.median)}) and the router's own code "
+        f"without gRPC for {code.median:.1f} ({share(code.median, both.median)}); the rest "
+        f"({both.median - alone.median - code.median:+.1f} µs) is what the two cost together "
+        "beyond their sum",
+        "- the deployed router replica's figure (`capacity_bench`, path `direct`) is this plus "
+        "what its Ray worker process adds",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    checkpoint = str(model_dir(a))
+    began = time.perf_counter()
+    runs = [measure(label, start, a) for label, start in configurations(a, checkpoint)]
+    return publish(render(a, argv, runs, time.perf_counter() - began), a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Smoke test of the router path benchmark: a few short streams through each configuration.
+
+The benchmark itself checks that every stream got its tokens in order with the right finish
+reason (it raises otherwise); this checks the report: each configuration's row with its CPU
+figure per message and one per run (/proc counts 10 ms ticks: a run this short may show 0).
+The figures need the full load on a quiet machine (benchmarks/results/router_path.md)."""
+
+from __future__ import annotations
+
+import re
+
+from benchmarks import router_path_bench
+from tests.benchmarks.bench_report import cells
+
+ROWS = (
+    "gRPC alone (grpc.aio servicer)",
+    "router code, no gRPC",
+    "router code behind its gRPC endpoint",
+)
+
+
+def test_each_configuration_streams_every_token_and_reports_its_cpu(tokenizer_model_dir, tmp_path):
+    out = tmp_path / "router_path.md"
+    argv = ["--streams", "4", "--tokens", "20", "--step-ms", "2", "--repeats", "2"]
+    argv += ["--model-dir", str(tokenizer_model_dir), "--out", str(out)]
+    report = router_path_bench.main(argv)
+    assert out.read_text("utf-8") == report
+    for label in ROWS:
+        median, runs, worker = cells(report, label)
+        assert float(median.strip("*")) >= 0, report
+        assert len(runs.split(", ")) == 2, report
+        if label == ROWS[0]:
+            assert worker == "-", report  # no worker double behind a bare servicer
+        else:
+            assert float(worker) >= 0, report
+    assert re.search(r"grpc\.aio alone accounts for [\d.]+ \((\d+%|-)\)", report), report

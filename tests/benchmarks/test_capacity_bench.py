@@ -1,4 +1,5 @@
-"""Smoke test of the capacity benchmark: two small N on the session's Ray and Serve, both paths.
+"""Smoke test of the capacity benchmark: one small N on the session's Ray and Serve, both paths
+(each N is the same code; CI time goes to deploying the app and to each run).
 
 It checks that every row of both tables is there with numbers that make sense (every token
 delivered, CPU found for each process), not the targets: they need N = 64 on a quiet machine
@@ -20,7 +21,7 @@ def numbers(cell: str) -> list[float]:
 
 def test_small_run_reports_both_paths_for_each_n(ray_serve, tmp_path):
     out = tmp_path / "capacity.md"
-    argv = ["--streams", "1,3", "--tokens", "12", "--idle-seconds", "0.5", "--stream-interval", "4"]
+    argv = ["--streams", "3", "--tokens", "12", "--idle-seconds", "0.5", "--stream-interval", "4"]
     argv += ["--grpc-port", str(ray_serve.grpc_port), "--out", str(out)]
     report = capacity_bench.main(argv)
     assert out.read_text("utf-8") == report
@@ -38,7 +39,7 @@ def test_small_run_reports_both_paths_for_each_n(ray_serve, tmp_path):
     for table in (proxy_4, direct_4):  # 12 tokens: 1, then 4, 4 and 3 (or fewer messages)
         assert all(numbers(c)[0] >= 3 for c in cells(table, "tokens per message")), table
     for table in (proxy, direct, proxy_4, direct_4):
-        assert cells(table, "streams (N)") == ["1", "3"]
+        assert cells(table, "streams (N)") == ["3"]
         for label in ("delivered tok/s", "engine alone tok/s", "delivered / engine alone"):
             assert all(numbers(c)[0] > 0 for c in cells(table, label)), label
         per_message = [numbers(c)[0] for c in cells(table, "tokens per message")]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from benchmarks.options import checkpoint_options, model_dir
+from benchmarks.proc_stats import cpu_seconds
 from benchmarks.report import header, log, publish
 
 FIRST_TOKEN = 100  # stream token i is FIRST_TOKEN + i
@@ -65,9 +65,8 @@ def run_loop(main) -> None:
 
 
 def cpu_of(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The process's utime + stime (proc_stats' reading)."""
+    return cpu_seconds({"p": pid})["p"]
 
 
 # -- the server processes (spawned; each reports where it listens on `ready`) ------------------

@@ -37,7 +37,6 @@ def grpc_alone(ready, step_s: float) -> None:
                 yield pb.GenerateResponse(
                     request_id=request.request_id, token_ids=[FIRST_TOKEN + i], text=f"<{i}>"
                 )
-            context.set_code(grpc.StatusCode.OK)
 
     async def main() -> None:
         servicer = Servicer()

@@ -71,7 +71,7 @@ class StreamSink:
             self.waiting_tokens += len(out.token_ids)
             if self.waiting_tokens < self.interval and not out.finished:
                 return None
-            chunk = merge_chunks(self.waiting) if len(self.waiting) > 1 else chunk
+            chunk = merge_chunks(self.waiting)  # one chunk as it is
             self.waiting, self.waiting_tokens = [], 0
         self.conn.add(self, chunk)
         return self.conn

@@ -12,10 +12,10 @@ the same requests go through `Engine.generate` in this process (one engine of th
 pool's config and torch threads: the engine alone). Per N and path it reports the tokens the
 clients received per second and that over the engine alone's; the CPU time each process spent
 per delivered token, from /proc (Serve's proxy, the router, the decode and the prefill replica,
-and this client); tokens per message (the path coalesces streams that fall behind); and the
-time to first token (TTFT) and inter-token latency (ITL) p50 / p99 as the client saw them
-(`benchmarks/stream_load.py`). Each process's CPU while the app sat idle is shown apart; the
-figures count all of it.
+and the load client, a process of its own on uvloop); tokens per message (the path coalesces
+streams that fall behind); and the time to first token (TTFT) and inter-token latency (ITL)
+p50 / p99 as the client saw them (`benchmarks/stream_load.py`). Each process's CPU while the
+app sat idle is shown apart; the figures count all of it.
 
 Targets (issue 21), at N = 64: proxy + router at most 100 µs of CPU per delivered token, and
 delivered tok/s at least 0.8x the engine alone; both are checked for each path. With
@@ -46,7 +46,7 @@ from benchmarks.paced_engine import PACED_DECODE, STEP_ENV, pace
 from benchmarks.proc_stats import cpu_seconds, serving_processes
 from benchmarks.report import log, publish
 from benchmarks.serve_session import deployed, kv_transport, on_serve
-from benchmarks.stream_load import LoadResult, greedy_request, run_load
+from benchmarks.stream_load import LoadClient, LoadResult, greedy_request, run_load
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
 from cluster.engine.engine import Engine
 from cluster.model.info import describe_model
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=(),
         metavar="LIST",
         help="cores of the engine threads (both pools' and the engine alone's); Ray, its "
-        "proxy, the router and this client then run on the others (default: no pinning)",
+        "proxy, the router and the load client then run on the others (default: no pinning)",
     )
     p.add_argument(
         "--before",
@@ -169,21 +169,18 @@ def _pin(cpus: tuple[int, ...]) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def own_cpu() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 def served(
     target: str, pids: dict[str, int], batch: list[list[int]], tokens: int, interval: int = 1
 ) -> tuple[LoadResult, dict[str, float]]:
     """The load through `target` (at `interval` tokens per message), and each process's CPU
-    seconds meanwhile (this one as "client")."""
-    before, own = cpu_seconds(pids), own_cpu()
-    load = run_load(target, APP, [greedy_request(p, tokens, interval) for p in batch])
-    after, own_after = cpu_seconds(pids), own_cpu()
+    seconds meanwhile (the load client's own process as "client")."""
+    with LoadClient(target, APP, [greedy_request(p, tokens, interval) for p in batch]) as client:
+        before = cpu_seconds(pids)
+        client.go()
+        after = cpu_seconds(pids)
+        load = client.result()
     cpu = {name: after[name] - before[name] for name in after if name in before}
-    cpu["client"] = own_after - own
+    cpu["client"] = load.client_cpu_s
     return load, cpu
 
 

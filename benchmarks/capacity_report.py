@@ -29,7 +29,7 @@ TARGET_STREAMS = 64
 @dataclass(frozen=True)
 class Point:
     """One N by one path: the served load, the engine alone on the same requests and the CPU
-    seconds of each process during the served run (this client as "client")."""
+    seconds of each process during the served run (the load client's process as "client")."""
 
     streams: int
     path: str
@@ -75,7 +75,7 @@ def table(points: list[Point]) -> list[str]:
         _row("**proxy + router CPU µs / token**", points, lambda p: f"**{p.path_us:,.0f}**"),
     ]
     for process in PROCESSES:
-        label = process if process != "client" else "client (this process)"
+        label = process if process != "client" else "client (own process, uvloop)"
         lines.append(_row(f"{label} CPU µs / token", points, _us(process)))
     lines += [
         _row("proxy, router CPU µs / message", points, _per_message),

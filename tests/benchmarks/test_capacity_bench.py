@@ -44,7 +44,7 @@ def test_small_run_reports_both_paths_for_each_n(ray_serve, tmp_path):
             assert all(numbers(c)[0] > 0 for c in cells(table, label)), label
         per_message = [numbers(c)[0] for c in cells(table, "tokens per message")]
         assert all(1 <= t <= 12 for t in per_message), per_message
-        for process in ("Router", "Decode", "client (this process)"):
+        for process in ("Router", "Decode", "client (own process, uvloop)"):
             # /proc counts 10 ms ticks: a short run may show 0, never nothing
             assert all(numbers(c)[0] >= 0 for c in cells(table, f"{process} CPU µs / token"))
         for label in ("TTFT p50 / p99 (ms)", "ITL p50 / p99 (ms)"):

@@ -1,7 +1,7 @@
-"""Where the router's CPU per streamed message goes, with Ray left out.
+"""Where the router's CPU per streamed message goes: Ray left out, then (`--in-serve`) put back.
 
     python -m benchmarks.router_path_bench [--streams 64] [--tokens 256] [--step-ms 10]
-        [--repeats 3] [--preset tiny | --model-dir DIR] [--out FILE]
+        [--repeats 3] [--in-serve [--grpc-port P]] [--preset tiny | --model-dir DIR] [--out FILE]
 
 `capacity_bench` measures the router replica as deployed: its figure holds grpc.aio's own cost
 per message, pdserve's code, and what the Ray worker process adds (its threads, Serve's loops,
@@ -20,6 +20,10 @@ streams of `--tokens` one-token messages each, one "engine step" every `--step-m
 - router code behind its gRPC endpoint: the same, served by `GrpcEndpoint` (the router's
   direct endpoint) to this process's grpc.aio client: the `direct` path of `capacity_bench`
   without Ray.
+- with `--in-serve`, the same in a Serve replica (`router_path_replica.py`: the environment
+  Serve runs pdserve's router with, and the router's metrics recorded, as deployed), on a local
+  Ray and Serve started for it (or, with `--grpc-port`, the running one): what Ray's worker
+  process and Serve add per message to the plain process's figure.
 
 Each figure is the server process's CPU (utime + stime from /proc) over the messages it sent,
 the median of `--repeats` runs; the worker double's CPU per message is shown too. Every run
@@ -46,6 +50,9 @@ from benchmarks.router_path_servers import (
     summary,
     worker_double,
 )
+from benchmarks.serve_session import on_serve
+
+IN_SERVE = "the same in a Serve replica, router metrics on"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,6 +61,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=256, help="one-token messages per stream")
     p.add_argument("--step-ms", type=float, default=10.0, help="time between engine steps")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration")
+    p.add_argument(
+        "--in-serve", action="store_true", help="also run the router behind its endpoint in Serve"
+    )
+    p.add_argument(
+        "--grpc-port", type=int, default=0, help="with --in-serve: a running Serve's gRPC port"
+    )
     checkpoint_options(p, "router_path", preset="tiny")  # the model's config, no weights read
     return p.parse_args(argv)
 
@@ -153,11 +166,24 @@ def configurations(a: argparse.Namespace, checkpoint: str) -> list[tuple[str, Ca
 
         return start
 
+    def in_serve(ctx, ready):
+        from benchmarks.router_path_replica import ServedRouterPath
+
+        worker = ctx.Process(target=worker_double, args=(ready, step_s), daemon=True)
+        worker.start()
+        try:
+            server = ServedRouterPath(ready.get(timeout=120), checkpoint)
+        except BaseException:
+            worker.kill()
+            raise
+        ready.put(server.endpoint)
+        return [server, worker]
+
     return [
         ("gRPC alone (grpc.aio servicer)", alone),
         ("router code, no gRPC", router(False)),
         ("router code behind its gRPC endpoint", router(True)),
-    ]
+    ] + ([(IN_SERVE, in_serve)] if a.in_serve else [])
 
 
 def share(part: float, whole: float) -> str:
@@ -166,8 +192,10 @@ def share(part: float, whole: float) -> str:
 
 
 def render(a: argparse.Namespace, argv: list[str], runs: list[Runs], wall_s: float) -> str:
-    alone, code, both = runs
-    lines = header("Router path: CPU per streamed message, Ray left out", "router_path_bench", argv)
+    alone, code, both = runs[:3]
+    lines = header(
+        "Router path: CPU per streamed message, without Ray and in Serve", "router_path_bench", argv
+    )
     lines += [
         f"- load: {a.streams} streams x {a.tokens} one-token messages, an engine step every "
         f"{a.step_ms:g} ms, {a.repeats} runs per configuration (median shown); "
@@ -189,11 +217,21 @@ def render(a: argparse.Namespace, argv: list[str], runs: list[Runs], wall_s: flo
         f"without gRPC for {code.median:.1f} ({share(code.median, both.median)}); the rest "
         f"({both.median - alone.median - code.median:+.1f} µs) is what the two cost together "
         "beyond their sum",
-        "- the deployed router replica's figure (`capacity_bench`, path `direct`) is this plus "
-        "what its Ray worker process adds",
-        "",
     ]
-    return "\n".join(lines)
+    if len(runs) > 3:
+        served = runs[3]
+        lines.append(
+            f"- in a Serve replica with the router's metrics on: {served.median:.1f} µs, "
+            f"{served.median - both.median:+.1f} against the plain process; the deployed "
+            "router's figure (`capacity_bench`, path `direct`) adds its per-request work "
+            "(prefill and decode calls through Serve handles) and its idle CPU"
+        )
+    else:
+        lines.append(
+            "- `--in-serve` measures the same in a Serve replica; the deployed router's figure "
+            "(`capacity_bench`, path `direct`) adds its per-request work and its idle CPU"
+        )
+    return "\n".join([*lines, ""])
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -203,7 +241,11 @@ def main(argv: list[str] | None = None) -> str:
     a = parse_args(argv)
     checkpoint = str(model_dir(a))
     began = time.perf_counter()
-    runs = [measure(label, start, a) for label, start in configurations(a, checkpoint)]
+
+    def measure_all(_port: int | None = None) -> list[Runs]:
+        return [measure(label, start, a) for label, start in configurations(a, checkpoint)]
+
+    runs = on_serve(a.grpc_port, measure_all) if a.in_serve else measure_all()
     return publish(render(a, argv, runs, time.perf_counter() - began), a.out)
 
 

@@ -132,37 +132,12 @@ class Call:
 
 def router_code(ready, worker_port: int, checkpoint: str, with_grpc: bool) -> None:
     """The router's path in a plain process; the worker call is a line to the worker double."""
-    from cluster.config import ModelConfig, TransferConfig
-    from cluster.model.info import describe_model
-    from cluster.serving.app_config import AppConfig
     from router.grpc_api import generate_responses
-    from router.grpc_endpoint import GrpcEndpoint
-    from router.orchestrator import Orchestrator
-    from router.token_stream import TokenStreamServer
 
     async def main() -> None:
-        link = WorkerLink(*await asyncio.open_connection("127.0.0.1", worker_port))
-        config = AppConfig(
-            model=ModelConfig(path=checkpoint),
-            mode="colocated",
-            transfer=TransferConfig(secret="5e" * 32),
-        )
-        tokens = TokenStreamServer("127.0.0.1")
-        await tokens.start()
-        colocated = type("Colocated", (), {"generate": link})
-        orch = Orchestrator(config, describe_model(config.model), None, None, colocated, tokens)
-
-        class Servicer:
-            GetModelInfo = GetStats = None
-
-            async def Generate(self, request, context):  # as `Router.Generate`
-                async with aclosing(generate_responses(request, orch)) as responses:
-                    async for response in responses:
-                        yield response
-
+        orch = await router_path(worker_port, checkpoint)
         if with_grpc:
-            endpoint = GrpcEndpoint("127.0.0.1")
-            ready.put(await endpoint.start(Servicer()))
+            ready.put(await serve_router_path(orch))
             await asyncio.Event().wait()
 
         async def local(reader, writer) -> None:  # "N T" -> `summary` of N streams
@@ -178,6 +153,47 @@ def router_code(ready, worker_port: int, checkpoint: str, with_grpc: bool) -> No
         await asyncio.Event().wait()
 
     run_loop(main())
+
+
+async def router_path(worker_port: int, checkpoint: str, metrics=None):
+    """The router's own code for a stream, on the running loop: its token stream server and an
+    `Orchestrator` in colocated mode whose worker calls go to the worker double at
+    `worker_port`; `metrics`: the router's `PoolMetrics`, or None for none."""
+    from cluster.config import ModelConfig, TransferConfig
+    from cluster.model.info import describe_model
+    from cluster.serving.app_config import AppConfig
+    from router.orchestrator import Orchestrator
+    from router.token_stream import TokenStreamServer
+
+    link = WorkerLink(*await asyncio.open_connection("127.0.0.1", worker_port))
+    config = AppConfig(
+        model=ModelConfig(path=checkpoint),
+        mode="colocated",
+        transfer=TransferConfig(secret="5e" * 32),
+    )
+    tokens = TokenStreamServer("127.0.0.1")
+    await tokens.start()
+    colocated = type("Colocated", (), {"generate": link})
+    info = describe_model(config.model)
+    return Orchestrator(config, info, None, None, colocated, tokens, metrics)
+
+
+async def serve_router_path(orch) -> str:
+    """`orch` behind the router's direct endpoint (`GrpcEndpoint`), as `Router.Generate` serves
+    it; returns the endpoint."""
+    from router.grpc_api import generate_responses
+    from router.grpc_endpoint import GrpcEndpoint
+
+    class Servicer:
+        GetModelInfo = GetStats = None
+
+        async def Generate(self, request, context):  # as `Router.Generate`
+            async with aclosing(generate_responses(request, orch)) as responses:
+                async for response in responses:
+                    yield response
+
+    orch.endpoint = GrpcEndpoint("127.0.0.1")  # kept with the orchestrator it serves
+    return await orch.endpoint.start(Servicer())
 
 
 def request(tokens: int):

@@ -1,4 +1,5 @@
-"""Smoke test of the router path benchmark: a few short streams through each configuration.
+"""Smoke test of the router path benchmark: a few short streams through each configuration,
+the Serve replica's on the session's Serve.
 
 The benchmark itself checks that every stream got its tokens in order with the right finish
 reason (it raises otherwise); this checks the report: each configuration's row with its CPU
@@ -16,12 +17,16 @@ ROWS = (
     "gRPC alone (grpc.aio servicer)",
     "router code, no gRPC",
     "router code behind its gRPC endpoint",
+    "the same in a Serve replica, router metrics on",
 )
 
 
-def test_each_configuration_streams_every_token_and_reports_its_cpu(tokenizer_model_dir, tmp_path):
+def test_each_configuration_streams_every_token_and_reports_its_cpu(
+    ray_serve, tokenizer_model_dir, tmp_path
+):
     out = tmp_path / "router_path.md"
     argv = ["--streams", "4", "--tokens", "20", "--step-ms", "2", "--repeats", "2"]
+    argv += ["--in-serve", "--grpc-port", str(ray_serve.grpc_port)]
     argv += ["--model-dir", str(tokenizer_model_dir), "--out", str(out)]
     report = router_path_bench.main(argv)
     assert out.read_text("utf-8") == report
@@ -34,3 +39,4 @@ def test_each_configuration_streams_every_token_and_reports_its_cpu(tokenizer_mo
         else:
             assert float(worker) >= 0, report
     assert re.search(r"grpc\.aio alone accounts for [\d.]+ \((\d+%|-)\)", report), report
+    assert re.search(r"in a Serve replica with the router's metrics on: [\d.]+ µs", report), report

@@ -49,11 +49,16 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepOutput:
     """The tokens one request gained in one engine step. `text` is the new, stop-string-safe
     text; `finish_reason` is set on the request's last output only ("prefilled" means the KV is
-    held for export and decoding continues elsewhere)."""
+    held for export and decoding continues elsewhere).
+
+    A value: nothing changes one after it is built (changes go through `dataclasses.replace`).
+    Not declared frozen because one is built per sequence per engine step and again per item
+    the router relays, and a frozen dataclass takes 7x as long to build (1.6 against 0.23 µs
+    for this one)."""
 
     request_id: str
     token_ids: tuple[int, ...]

@@ -29,10 +29,11 @@ class Timing:
     migrations: int = 0  # times the generation resumed on another replica mid-stream
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GenerationChunk:
     """New tokens and their text. The last chunk has `finish_reason` ("stop", "length" or
-    "abort"), `usage` and `timing`; earlier ones have None there."""
+    "abort"), `usage` and `timing`; earlier ones have None there. A value, not declared frozen
+    for the reason `StepOutput` gives (one per relayed message)."""
 
     request_id: str
     token_ids: tuple[int, ...]

@@ -37,10 +37,11 @@ class DecodeRequest:
     first_token: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WorkerChunk:
     """One streamed step of a decode (or colocated) worker. The first chunk of a stream carries
-    the worker's phase times; later ones leave them at zero."""
+    the worker's phase times; later ones leave them at zero. A value, not declared frozen for
+    the reason `StepOutput` gives (one per stream per step)."""
 
     output: StepOutput
     replica_id: str

@@ -22,11 +22,11 @@ class RouterPathReplica:
 
         metrics = PoolMetrics("router", served_model_name(ModelConfig(path=checkpoint)))
         self.orch = await router_path(worker_port, checkpoint, metrics)
-        self.endpoint = await serve_router_path(self.orch)
+        self.server = await serve_router_path(self.orch)
 
     def where(self) -> tuple[str, int]:
         """(its endpoint, its process id)."""
-        return self.endpoint, os.getpid()
+        return self.server.endpoint, os.getpid()
 
 
 class ServedRouterPath:
@@ -38,8 +38,12 @@ class ServedRouterPath:
 
         env = {"runtime_env": {"env_vars": dict(REPLICA_ENV_VARS)}, "num_cpus": 0}
         app = RouterPathReplica.options(ray_actor_options=env).bind(worker_port, checkpoint)
-        handle = serve.run(app, name=APP, route_prefix=None)
-        self.endpoint, self.pid = handle.where.remote().result()
+        try:
+            handle = serve.run(app, name=APP, route_prefix=None)
+            self.endpoint, self.pid = handle.where.remote().result()
+        except BaseException:
+            self.kill()  # nothing of it left on the running Serve
+            raise
 
     def kill(self) -> None:
         serve.delete(APP)

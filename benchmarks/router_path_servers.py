@@ -137,7 +137,8 @@ def router_code(ready, worker_port: int, checkpoint: str, with_grpc: bool) -> No
     async def main() -> None:
         orch = await router_path(worker_port, checkpoint)
         if with_grpc:
-            ready.put(await serve_router_path(orch))
+            server = await serve_router_path(orch)
+            ready.put(server.endpoint)
             await asyncio.Event().wait()
 
         async def local(reader, writer) -> None:  # "N T" -> `summary` of N streams
@@ -178,9 +179,9 @@ async def router_path(worker_port: int, checkpoint: str, metrics=None):
     return Orchestrator(config, info, None, None, colocated, tokens, metrics)
 
 
-async def serve_router_path(orch) -> str:
-    """`orch` behind the router's direct endpoint (`GrpcEndpoint`), as `Router.Generate` serves
-    it; returns the endpoint."""
+async def serve_router_path(orch):
+    """`orch` behind the router's direct endpoint, as `Router.Generate` serves it: the started
+    `GrpcEndpoint` (its `endpoint` is "host:port"; it serves while the caller holds it)."""
     from router.grpc_api import generate_responses
     from router.grpc_endpoint import GrpcEndpoint
 
@@ -192,8 +193,9 @@ async def serve_router_path(orch) -> str:
                 async for response in responses:
                     yield response
 
-    orch.endpoint = GrpcEndpoint("127.0.0.1")  # kept with the orchestrator it serves
-    return await orch.endpoint.start(Servicer())
+    server = GrpcEndpoint("127.0.0.1")
+    await server.start(Servicer())
+    return server
 
 
 def request(tokens: int):

@@ -20,6 +20,10 @@ streams of `--tokens` one-token messages each, one "engine step" every `--step-m
 - router code behind its gRPC endpoint: the same, served by `GrpcEndpoint` (the router's
   direct endpoint) to this process's grpc.aio client: the `direct` path of `capacity_bench`
   without Ray.
+- bare HTTP/2 (`router_path_h2.py`): the first configuration's streams written straight onto
+  HTTP/2 without a gRPC library, each step's messages for a connection framed into one socket
+  write (grpc.aio makes a `sendmsg` per message): a prototype measuring what an endpoint
+  outside Python's gRPC would cost, served to the same client, which checks it the same way.
 - with `--in-serve`, the same in a Serve replica (`router_path_replica.py`: the environment
   Serve runs pdserve's router with, and the router's metrics recorded, as deployed), on a local
   Ray and Serve started for it (or, with `--grpc-port`, the running one): what Ray's worker
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 from benchmarks.options import checkpoint_options, model_dir
 from benchmarks.proc_stats import cpu_seconds
 from benchmarks.report import header, log, publish
+from benchmarks.router_path_h2 import h2_alone
 from benchmarks.router_path_servers import (
     grpc_alone,
     read_stream,
@@ -53,6 +58,7 @@ from benchmarks.router_path_servers import (
 from benchmarks.serve_session import on_serve
 
 IN_SERVE = "the same in a Serve replica, router metrics on"
+H2 = "bare HTTP/2, a step's messages in one write (prototype)"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -149,10 +155,13 @@ def measure(label: str, start: Callable, a: argparse.Namespace) -> Runs:
 def configurations(a: argparse.Namespace, checkpoint: str) -> list[tuple[str, Callable]]:
     step_s = a.step_ms / 1e3
 
-    def alone(ctx, ready):
-        server = ctx.Process(target=grpc_alone, args=(ready, step_s), daemon=True)
-        server.start()
-        return [server]
+    def bare(target):
+        def start(ctx, ready):
+            server = ctx.Process(target=target, args=(ready, step_s), daemon=True)
+            server.start()
+            return [server]
+
+        return start
 
     def router(with_grpc: bool):
         def start(ctx, ready):
@@ -180,9 +189,10 @@ def configurations(a: argparse.Namespace, checkpoint: str) -> list[tuple[str, Ca
         return [server, worker]
 
     return [
-        ("gRPC alone (grpc.aio servicer)", alone),
+        ("gRPC alone (grpc.aio servicer)", bare(grpc_alone)),
         ("router code, no gRPC", router(False)),
         ("router code behind its gRPC endpoint", router(True)),
+        (H2, bare(h2_alone)),
     ] + ([(IN_SERVE, in_serve)] if a.in_serve else [])
 
 
@@ -218,8 +228,14 @@ def render(a: argparse.Namespace, argv: list[str], runs: list[Runs], wall_s: flo
         f"({both.median - alone.median - code.median:+.1f} µs) is what the two cost together "
         "beyond their sum",
     ]
-    if len(runs) > 3:
-        served = runs[3]
+    h2 = runs[3]
+    lines.append(
+        f"- a bare HTTP/2 writer framing each step's messages into one write "
+        f"(`router_path_h2.py`, a prototype) costs {h2.median:.1f} µs a message, "
+        f"{share(h2.median, alone.median)} of grpc.aio's {alone.median:.1f}"
+    )
+    if len(runs) > 4:
+        served = runs[4]
         lines.append(
             f"- in a Serve replica with the router's metrics on: {served.median:.1f} µs, "
             f"{served.median - both.median:+.1f} against the plain process; the deployed "

@@ -1,5 +1,6 @@
 """Smoke test of the router path benchmark: a few short streams through each configuration,
-the Serve replica's on the session's Serve.
+the Serve replica's on the session's Serve; the bare HTTP/2 prototype's streams are read by the
+same grpc.aio client, which checks each one's tokens and status.
 
 The benchmark itself checks that every stream got its tokens in order with the right finish
 reason (it raises otherwise); this checks the report: each configuration's row with its CPU
@@ -17,8 +18,10 @@ ROWS = (
     "gRPC alone (grpc.aio servicer)",
     "router code, no gRPC",
     "router code behind its gRPC endpoint",
+    "bare HTTP/2, a step's messages in one write (prototype)",
     "the same in a Serve replica, router metrics on",
 )
+BARE = (ROWS[0], ROWS[3])  # no worker double behind these
 
 
 def test_each_configuration_streams_every_token_and_reports_its_cpu(
@@ -34,9 +37,10 @@ def test_each_configuration_streams_every_token_and_reports_its_cpu(
         median, runs, worker = cells(report, label)
         assert float(median.strip("*")) >= 0, report
         assert len(runs.split(", ")) == 2, report
-        if label == ROWS[0]:
-            assert worker == "-", report  # no worker double behind a bare servicer
+        if label in BARE:
+            assert worker == "-", report
         else:
             assert float(worker) >= 0, report
     assert re.search(r"grpc\.aio alone accounts for [\d.]+ \((\d+%|-)\)", report), report
     assert re.search(r"in a Serve replica with the router's metrics on: [\d.]+ µs", report), report
+    assert re.search(r"bare HTTP/2 writer .* costs [\d.]+ µs a message, (\d+%|-) of", report)

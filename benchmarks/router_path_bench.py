@@ -163,30 +163,33 @@ def configurations(a: argparse.Namespace, checkpoint: str) -> list[tuple[str, Ca
 
         return start
 
+    def worker(ctx, ready):
+        """The worker double, started; and the port it listens on."""
+        double = ctx.Process(target=worker_double, args=(ready, step_s), daemon=True)
+        double.start()
+        return double, ready.get(timeout=120)
+
     def router(with_grpc: bool):
         def start(ctx, ready):
-            worker = ctx.Process(target=worker_double, args=(ready, step_s), daemon=True)
-            worker.start()
-            port = ready.get(timeout=120)
+            double, port = worker(ctx, ready)
             args = (ready, port, checkpoint, with_grpc)
             server = ctx.Process(target=router_code, args=args, daemon=True)
             server.start()
-            return [server, worker]
+            return [server, double]
 
         return start
 
     def in_serve(ctx, ready):
         from benchmarks.router_path_replica import ServedRouterPath
 
-        worker = ctx.Process(target=worker_double, args=(ready, step_s), daemon=True)
-        worker.start()
+        double, port = worker(ctx, ready)
         try:
-            server = ServedRouterPath(ready.get(timeout=120), checkpoint)
+            server = ServedRouterPath(port, checkpoint)
         except BaseException:
-            worker.kill()
+            double.kill()
             raise
         ready.put(server.endpoint)
-        return [server, worker]
+        return [server, double]
 
     return [
         ("gRPC alone (grpc.aio servicer)", bare(grpc_alone)),

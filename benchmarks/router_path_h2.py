@@ -46,8 +46,8 @@ class Stream:
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, server: H2Alone) -> None:
-        self.server = server
+    def __init__(self, connections: set[Connection]) -> None:
+        self.connections = connections  # the server's open connections, this one among them
         self.buffer = b""
         self.preface = False
         self.window = INITIAL_WINDOW  # the connection's send window
@@ -57,11 +57,11 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.server.connections.add(self)
+        self.connections.add(self)
         transport.write(frame(SETTINGS, 0, 0))
 
     def connection_lost(self, exc) -> None:
-        self.server.connections.discard(self)
+        self.connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -157,11 +157,6 @@ class Connection(asyncio.Protocol):
             self.out = []
 
 
-class H2Alone:
-    def __init__(self) -> None:
-        self.connections: set[Connection] = set()
-
-
 def h2_alone(ready, step_s: float) -> None:
     from benchmarks.router_path_servers import FIRST_TOKEN, run_loop
     from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -170,13 +165,13 @@ def h2_alone(ready, step_s: float) -> None:
         return pb.GenerateResponse(token_ids=[FIRST_TOKEN + i], text=f"<{i}>").SerializeToString()
 
     async def main() -> None:
-        server = H2Alone()
+        connections: set[Connection] = set()
         loop = asyncio.get_running_loop()
-        listener = await loop.create_server(lambda: Connection(server), "127.0.0.1", 0)
+        listener = await loop.create_server(lambda: Connection(connections), "127.0.0.1", 0)
         ready.put(f"127.0.0.1:{listener.sockets[0].getsockname()[1]}")
         while True:
             await asyncio.sleep(step_s)
-            for conn in list(server.connections):
+            for conn in list(connections):
                 conn.step(make)
 
     run_loop(main())

@@ -3,15 +3,16 @@
     python -m benchmarks.router_path_bench [--streams 64] [--tokens 256] [--step-ms 10]
         [--repeats 3] [--in-serve [--grpc-port P]] [--preset tiny | --model-dir DIR] [--out FILE]
 
-`capacity_bench` measures the router replica as deployed: its figure holds grpc.aio's own cost
-per message, pdserve's code, and what the Ray worker process adds (its threads, Serve's loops,
-the metrics calls). This splits the first two apart, on the same loop Ray gives an actor
-(uvloop when installed), in a server process of its own per configuration, `--streams`
-streams of `--tokens` one-token messages each, one "engine step" every `--step-ms`:
+`capacity_bench` measures the router replica as deployed: its figure holds its gRPC server's
+cost per message, pdserve's code, and what the Ray worker process adds (its threads, Serve's
+loops, the metrics calls). This splits them apart, on the same loop Ray gives an actor (uvloop
+when installed), in a server process of its own per configuration, `--streams` streams of
+`--tokens` one-token messages each, one "engine step" every `--step-ms`:
 
-- gRPC alone: a bare grpc.aio `pdserve.v1.Generation` servicer whose streams all wake from one
-  event per step and yield one small `GenerateResponse` each (the floor of any Python gRPC
-  endpoint).
+- gRPC alone, two servers: a bare `pdserve.v1.Generation` servicer whose streams all wake from
+  one event per step and yield one small `GenerateResponse` each, served by grpc.aio (one
+  `sendmsg` per message) and by the router's own endpoint (router/grpc_endpoint.py: HTTP/2
+  through `h2`, a loop turn's messages for a connection in one write).
 - router code, no gRPC: the router's own path for a stream (router/token_stream.py's server,
   `Orchestrator` in colocated mode with its relay, tally and deadline, and
   `grpc_api.generate_responses`, which builds the protobuf messages), read by tasks in the
@@ -20,10 +21,6 @@ streams of `--tokens` one-token messages each, one "engine step" every `--step-m
 - router code behind its gRPC endpoint: the same, served by `GrpcEndpoint` (the router's
   direct endpoint) to this process's grpc.aio client: the `direct` path of `capacity_bench`
   without Ray.
-- bare HTTP/2 (`router_path_h2.py`): the first configuration's streams written straight onto
-  HTTP/2 without a gRPC library, each step's messages for a connection framed into one socket
-  write (grpc.aio makes a `sendmsg` per message): a prototype measuring what an endpoint
-  outside Python's gRPC would cost, served to the same client, which checks it the same way.
 - with `--in-serve`, the same in a Serve replica (`router_path_replica.py`: the environment
   Serve runs pdserve's router with, and the router's metrics recorded, as deployed), on a local
   Ray and Serve started for it (or, with `--grpc-port`, the running one): what Ray's worker
@@ -47,7 +44,6 @@ from dataclasses import dataclass
 from benchmarks.options import checkpoint_options, model_dir
 from benchmarks.proc_stats import cpu_seconds
 from benchmarks.report import header, log, publish
-from benchmarks.router_path_h2 import h2_alone
 from benchmarks.router_path_servers import (
     grpc_alone,
     read_stream,
@@ -58,7 +54,6 @@ from benchmarks.router_path_servers import (
 from benchmarks.serve_session import on_serve
 
 IN_SERVE = "the same in a Serve replica, router metrics on"
-H2 = "bare HTTP/2, a step's messages in one write (prototype)"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -155,9 +150,10 @@ def measure(label: str, start: Callable, a: argparse.Namespace) -> Runs:
 def configurations(a: argparse.Namespace, checkpoint: str) -> list[tuple[str, Callable]]:
     step_s = a.step_ms / 1e3
 
-    def bare(target):
+    def bare(own_endpoint: bool):
         def start(ctx, ready):
-            server = ctx.Process(target=target, args=(ready, step_s), daemon=True)
+            args = (ready, step_s, own_endpoint)
+            server = ctx.Process(target=grpc_alone, args=args, daemon=True)
             server.start()
             return [server]
 
@@ -192,10 +188,10 @@ def configurations(a: argparse.Namespace, checkpoint: str) -> list[tuple[str, Ca
         return [server, double]
 
     return [
-        ("gRPC alone (grpc.aio servicer)", bare(grpc_alone)),
+        ("gRPC alone: grpc.aio", bare(False)),
+        ("gRPC alone: the router's endpoint", bare(True)),
         ("router code, no gRPC", router(False)),
         ("router code behind its gRPC endpoint", router(True)),
-        (H2, bare(h2_alone)),
     ] + ([(IN_SERVE, in_serve)] if a.in_serve else [])
 
 
@@ -205,7 +201,7 @@ def share(part: float, whole: float) -> str:
 
 
 def render(a: argparse.Namespace, argv: list[str], runs: list[Runs], wall_s: float) -> str:
-    alone, code, both = runs[:3]
+    aio, alone, code, both = runs[:4]
     lines = header(
         "Router path: CPU per streamed message, without Ray and in Serve", "router_path_bench", argv
     )
@@ -225,18 +221,14 @@ def render(a: argparse.Namespace, argv: list[str], runs: list[Runs], wall_s: flo
         lines.append(f"| {r.label} | **{r.median:.1f}** | {each} | {worker} |")
     lines += [
         "",
-        f"- of the router behind its endpoint ({both.median:.1f} µs), grpc.aio alone accounts "
-        f"for {alone.median:.1f} ({share(alone.median, both.median)}) and the router's own code "
-        f"without gRPC for {code.median:.1f} ({share(code.median, both.median)}); the rest "
-        f"({both.median - alone.median - code.median:+.1f} µs) is what the two cost together "
-        "beyond their sum",
+        f"- the router's endpoint costs {alone.median:.1f} µs a message where grpc.aio costs "
+        f"{aio.median:.1f} ({share(alone.median, aio.median)}), serving the same bare servicer",
+        f"- of the router behind its endpoint ({both.median:.1f} µs), the endpoint alone "
+        f"accounts for {alone.median:.1f} ({share(alone.median, both.median)}) and the router's "
+        f"own code without gRPC for {code.median:.1f} ({share(code.median, both.median)}); the "
+        f"rest ({both.median - alone.median - code.median:+.1f} µs) is what the two cost "
+        "together beyond their sum",
     ]
-    h2 = runs[3]
-    lines.append(
-        f"- a bare HTTP/2 writer framing each step's messages into one write "
-        f"(`router_path_h2.py`, a prototype) costs {h2.median:.1f} µs a message, "
-        f"{share(h2.median, alone.median)} of grpc.aio's {alone.median:.1f}"
-    )
     if len(runs) > 4:
         served = runs[4]
         lines.append(

@@ -1,7 +1,7 @@
 """The processes of `router_path_bench` (spawned; each puts where it listens on `ready`): a bare
-grpc.aio servicer, the worker double that streams tokens to a router's token server, and the
-router's own code with or without its gRPC endpoint; and how a stream's messages are read and
-checked, by them and by the bench's client."""
+servicer on grpc.aio or on the router's own endpoint, the worker double that streams tokens to
+a router's token server, and the router's own code with or without its gRPC endpoint; and how
+a stream's messages are read and checked, by them and by the bench's client."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ def run_loop(main) -> None:
         uvloop.run(main)
 
 
-def grpc_alone(ready, step_s: float) -> None:
+def grpc_alone(ready, step_s: float, own_endpoint: bool) -> None:
+    """A bare `Generate` servicer whose streams all wake from one event per step, served by
+    grpc.aio or (`own_endpoint`) by the router's `GrpcEndpoint`."""
     import grpc
 
     from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -39,12 +41,18 @@ def grpc_alone(ready, step_s: float) -> None:
                 )
 
     async def main() -> None:
+        from router.grpc_endpoint import GrpcEndpoint
+
         servicer = Servicer()
-        server = grpc.aio.server()
-        pb_grpc.add_GenerationServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        ready.put(f"127.0.0.1:{port}")
+        if own_endpoint:
+            server = GrpcEndpoint("127.0.0.1")
+            ready.put(await server.start(servicer))
+        else:
+            server = grpc.aio.server()
+            pb_grpc.add_GenerationServicer_to_server(servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            ready.put(f"127.0.0.1:{port}")
         while True:
             servicer.step.set()
             servicer.step.clear()

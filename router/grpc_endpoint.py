@@ -5,10 +5,11 @@ in `GetStats` (router/endpoint_reporter.py); `GenerationClient.direct` and `pdse
 bench --direct` use it (docs/api.md).
 
 Why: every message through Serve's proxy costs CPU of its own in the proxy and in Serve's
-wrappers around the router (pickled with its gRPC context, a thread hop and back in the proxy):
-measured with `benchmarks/capacity_bench.py` at 64 streams, about 200 µs of proxy CPU and
-165 µs of router CPU per message, against about 115 µs of router CPU per message here. Clients
-need no change beyond the address; Serve's proxy keeps serving the same API on its port.
+wrappers around the router (pickled with its gRPC context, a thread hop and back in the proxy).
+Clients need no change beyond the address; Serve's proxy keeps serving the same API on its
+port. The endpoint speaks gRPC over HTTP/2 itself (router/grpc_connection.py, one
+`GrpcCall` per call, router/grpc_call.py) rather than through grpc.aio, to write each loop
+turn's messages for a connection at once (`benchmarks/router_path_bench.py`).
 
 What Serve does not see here: the router deployment's own `max_ongoing_requests` and queue
 limit, and its autoscaling signal, count proxied requests only. The pools behind the router are
@@ -18,36 +19,70 @@ and a full pool refuses a request with RESOURCE_EXHAUSTED on both paths.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-import grpc
+from google.protobuf.message_factory import GetMessageClass
 
-from router.grpc_ingress import add_generation_servicer
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from router.grpc_call import Method
+from router.grpc_connection import GrpcConnection
+
+
+def generation_methods(servicer: Any) -> dict[bytes, Method]:
+    """`pdserve.v1.Generation`'s methods by path, from its descriptor, served by `servicer`'s
+    functions of the same names (one it lacks, or has as None, is UNIMPLEMENTED)."""
+    service = pb.DESCRIPTOR.services_by_name["Generation"]
+    methods = {}
+    for m in service.methods:
+        assert not m.client_streaming, "every request here is one message"
+        path = f"/{service.full_name}/{m.name}".encode()
+        function = getattr(servicer, m.name, None)
+        methods[path] = Method(GetMessageClass(m.input_type), m.server_streaming, function)
+    return methods
 
 
 class GrpcEndpoint:
-    """A grpc.aio server for one servicer of `pdserve.v1.Generation`, on the running loop."""
+    """A gRPC server for one servicer of `pdserve.v1.Generation`, on the running loop."""
 
     def __init__(self, host: str, port: int = 0) -> None:
         self.host = host
         self.port = port
         self.endpoint = ""
-        self._server: grpc.aio.Server | None = None
+        self._listener: asyncio.Server | None = None
+        self._connections: set[GrpcConnection] = set()
 
     async def start(self, servicer: Any) -> str:
         """Serve `servicer`; returns "host:port"."""
+        methods = generation_methods(servicer)
         # No SO_REUSEPORT: a fixed port another process holds fails here, loudly, instead of
         # sharing its connections (router replicas never share one: RouterConfig).
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        add_generation_servicer(servicer, self._server)
-        port = self._server.add_insecure_port(f"{self.host}:{self.port}")
-        await self._server.start()
+        self._listener = await asyncio.get_running_loop().create_server(
+            lambda: GrpcConnection(methods, self._connections),
+            self.host,
+            self.port,
+            reuse_port=False,
+        )
+        port = self._listener.sockets[0].getsockname()[1]  # asyncio sets TCP_NODELAY
         self.endpoint = f"{self.host}:{port}"
         return self.endpoint
 
     async def stop(self, grace_s: float) -> None:
-        """Refuse new calls; let those under way finish for up to `grace_s`, then cancel them
-        (which frees what they hold)."""
-        if self._server is not None:
-            await self._server.stop(grace_s)
-            self._server = None
+        """Refuse new calls (GOAWAY); let those under way finish for up to `grace_s`, then end
+        them UNAVAILABLE (which closes their streams and frees what they hold)."""
+        if self._listener is None:
+            return
+        self._listener.close()
+        self._listener = None
+        for conn in self._connections:
+            conn.go_away()
+        tasks = [c.task for conn in self._connections for c in conn.calls.values() if c.task]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        for conn in list(self._connections):
+            for call in list(conn.calls.values()):
+                call.cancel(stopping=True)
+        if tasks:
+            await asyncio.wait(tasks)
+        for conn in list(self._connections):
+            conn.close()

@@ -1,6 +1,7 @@
 """Smoke test of the router path benchmark: a few short streams through each configuration,
-the Serve replica's on the session's Serve; the bare HTTP/2 prototype's streams are read by the
-same grpc.aio client, which checks each one's tokens and status.
+the Serve replica's on the session's Serve; the bare servicer's streams are read through both
+gRPC servers (grpc.aio and the router's own endpoint) by the same grpc.aio client, which checks
+each one's tokens and status.
 
 The benchmark itself checks that every stream got its tokens in order with the right finish
 reason (it raises otherwise); this checks the report: each configuration's row with its CPU
@@ -15,13 +16,13 @@ from benchmarks import router_path_bench
 from tests.benchmarks.bench_report import cells
 
 ROWS = (
-    "gRPC alone (grpc.aio servicer)",
+    "gRPC alone: grpc.aio",
+    "gRPC alone: the router's endpoint",
     "router code, no gRPC",
     "router code behind its gRPC endpoint",
-    "bare HTTP/2, a step's messages in one write (prototype)",
     "the same in a Serve replica, router metrics on",
 )
-BARE = (ROWS[0], ROWS[3])  # no worker double behind these
+BARE = ROWS[:2]  # no worker double behind these
 
 
 def test_each_configuration_streams_every_token_and_reports_its_cpu(
@@ -41,6 +42,6 @@ def test_each_configuration_streams_every_token_and_reports_its_cpu(
             assert worker == "-", report
         else:
             assert float(worker) >= 0, report
-    assert re.search(r"grpc\.aio alone accounts for [\d.]+ \((\d+%|-)\)", report), report
+    assert re.search(r"endpoint costs [\d.]+ µs a message where grpc\.aio costs [\d.]+", report)
+    assert re.search(r"the endpoint alone accounts for [\d.]+ \((\d+%|-)\)", report), report
     assert re.search(r"in a Serve replica with the router's metrics on: [\d.]+ µs", report), report
-    assert re.search(r"bare HTTP/2 writer .* costs [\d.]+ µs a message, (\d+%|-) of", report)

@@ -1,0 +1,310 @@
+"""The router's own gRPC endpoint (router/grpc_endpoint.py) on loopback: grpc's own clients get
+the service as from any gRPC server (messages, statuses and their details, deadlines,
+cancellation, flow control, many streams on one connection, a stop with a grace), and a raw
+HTTP/2 client (tests/router/h2_client.py) gets a clear status for what they never send. Every
+test ends with each generation the servicer opened closed again (what frees its KV)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing, asynccontextmanager
+
+import grpc
+import pytest
+
+from cluster.errors import InvalidArgument
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.grpc_api import generate_responses, model_info_to_proto
+from router.grpc_call import MAX_REQUEST_BYTES
+from router.grpc_endpoint import GrpcEndpoint
+from router.router import _fail
+from tests.router.fake_service import FakeService
+from tests.router.h2_client import RawClient, frame, grpc_headers
+from tests.router.stream_rig import FIRST_TOKEN, RecordingMetrics, StepWorker, orchestrator
+
+# A client that announces a 1 KiB receive window and never grows it (a slow reader, as flow
+# control sees it).
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+
+
+class Servicer:
+    """As `Router` serves the API (router/router.py), over a generation service."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self.big_text = ""  # GetModelInfo's model_id, to make its answer large
+
+    async def Generate(self, request, context):
+        try:
+            async with aclosing(generate_responses(request, self.service)) as responses:
+                async for response in responses:
+                    yield response
+        except Exception as e:
+            _fail(context, e)
+            raise
+
+    async def GetModelInfo(self, request, context):
+        info = model_info_to_proto(self.service.model)
+        if self.big_text:
+            info.model_id = self.big_text
+        return info
+
+    async def GetStats(self, request, context):
+        raise RuntimeError("no code set")
+
+
+@asynccontextmanager
+async def serving(service=None, grace_s: float = 1.0):
+    service = service or FakeService()
+    endpoint = GrpcEndpoint("127.0.0.1")
+    servicer = Servicer(service)
+    await endpoint.start(servicer)
+    try:
+        yield endpoint.endpoint, servicer
+    finally:
+        await endpoint.stop(grace_s)
+
+
+def request(max_tokens: int, prompt: str = "hello") -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens))
+
+
+async def until(check, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def all_closed(fake: FakeService):
+    return lambda: fake.opened == fake.closed
+
+
+def test_streams_unary_calls_and_statuses_as_grpc_has_them():
+    async def go():
+        fake = FakeService()
+        async with serving(fake) as (endpoint, _):
+            async with grpc.aio.insecure_channel(endpoint) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                msgs = [m async for m in stub.Generate(request(5))]
+                info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+                codes = []
+                fake.refuse = InvalidArgument("bad prompt: ünïcode 100% ✓", param="prompt")
+                for call in (
+                    lambda: stub.Generate(request(3)).read(),
+                    lambda: stub.GetStats(pb.GetStatsRequest()),
+                    lambda: channel.unary_unary("/pdserve.v1.Generation/Nope")(b""),
+                ):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call()
+                    codes.append((e.value.code(), e.value.details()))
+        return msgs, info, codes, fake
+
+    msgs, info, codes, fake = asyncio.run(go())
+    assert [m.text for m in msgs] == [" t0", " t1", " t2", " t3", " t4"]
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert (msgs[-1].usage.prompt_tokens, msgs[-1].usage.completion_tokens) == (5, 5)
+    assert info.model_id == fake.model.model_id
+    assert codes == [
+        (grpc.StatusCode.INVALID_ARGUMENT, "bad prompt: ünïcode 100% ✓"),
+        (grpc.StatusCode.UNKNOWN, "Unexpected RuntimeError: no code set"),
+        (grpc.StatusCode.UNIMPLEMENTED, "method /pdserve.v1.Generation/Nope not found"),
+    ]
+    assert fake.opened == fake.closed == 2
+
+
+def test_many_streams_share_one_connection():
+    """More streams at once than h2's default limit of 100, on one channel."""
+
+    async def go():
+        fake = FakeService()
+        async with serving(fake) as (endpoint, _):
+            async with grpc.aio.insecure_channel(endpoint) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+
+                async def one(i: int) -> list[str]:
+                    return [m.text async for m in stub.Generate(request(8, f"p{i}"))]
+
+                return await asyncio.gather(*(one(i) for i in range(300))), fake
+
+    texts, fake = asyncio.run(go())
+    assert all(t == [f" t{i}" for i in range(8)] for t in texts)
+    assert fake.opened == fake.closed == 300
+
+
+def test_a_deadline_or_a_cancel_closes_the_generation():
+    async def go():
+        fake = FakeService()
+        fake.hang_after_first = True
+        async with serving(fake) as (endpoint, _):
+            async with grpc.aio.insecure_channel(endpoint) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                call = stub.Generate(request(10), timeout=0.3)
+                first = await call.read()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call.read()
+                await until(all_closed(fake))
+                call = stub.Generate(request(10))
+                await call.read()
+                call.cancel()
+                await until(lambda: fake.closed == 2)
+        return first, e.value.code(), fake
+
+    first, code, fake = asyncio.run(go())
+    assert first.text == " t0" and code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert fake.opened == fake.closed == 2
+
+
+def test_the_server_keeps_the_deadline_a_request_carries():
+    """`grpc-timeout` alone, with no client deadline behind it: DEADLINE_EXCEEDED in the
+    trailers after the first message, and the generation closed."""
+
+    async def go():
+        fake = FakeService()
+        fake.hang_after_first = True
+        async with serving(fake) as (endpoint, _):
+            client = await RawClient.connect(endpoint)
+            body = frame(request(10).SerializeToString())
+            answer = await client.call(grpc_headers(grpc_timeout=b"200m"), body)
+            await client.close()
+        return answer, fake
+
+    answer, fake = asyncio.run(go())
+    assert answer.headers[b":status"] == b"200"
+    first = pb.GenerateResponse.FromString(answer.body[5:])
+    assert first.text == " t0" and len(answer.body) == 5 + first.ByteSize()
+    assert answer.trailers[b"grpc-status"] == b"4"
+    assert fake.opened == fake.closed == 1
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "grpc_status"),
+    [
+        (grpc_headers(), frame(b"\xff\xff"), b"200", b"13"),  # not a GenerateRequest
+        (grpc_headers(), frame(b"", compressed=True), b"200", b"12"),
+        (grpc_headers(), frame(b"")[:3], b"200", b"13"),  # a cut-off message
+        (grpc_headers(), frame(b"") * 2, b"200", b"13"),  # two requests for a unary one
+        (grpc_headers(grpc_encoding=b"gzip"), frame(b""), b"200", b"12"),
+        (grpc_headers(grpc_timeout=b"soon"), frame(b""), b"200", b"3"),
+        (grpc_headers(b"/pdserve.v1.Nope/Generate"), frame(b""), b"200", b"12"),
+        (grpc_headers()[:4] + [(b"content-type", b"text/plain")], frame(b""), b"415", None),
+        ([(b":method", b"GET"), *grpc_headers()[1:]], b"", b"405", None),
+    ],
+)
+def test_what_no_grpc_client_sends_gets_a_clear_status(headers, body, status, grpc_status):
+    async def go():
+        fake = FakeService()
+        async with serving(fake) as (endpoint, _):
+            client = await RawClient.connect(endpoint)
+            answer = await client.call(headers, body)
+            after = await client.call(grpc_headers(), frame(request(2).SerializeToString()))
+            await client.close()
+        return answer, after, fake
+
+    answer, after, fake = asyncio.run(go())
+    assert answer.headers[b":status"] == status
+    assert answer.status.get(b"grpc-status") == grpc_status
+    assert after.trailers[b"grpc-status"] == b"0"  # the connection keeps serving
+    assert fake.opened == fake.closed == 1
+
+
+def test_a_request_over_the_size_limit_is_refused():
+    async def go():
+        async with serving() as (endpoint, _):
+            client = await RawClient.connect(endpoint)
+            big = request(2, "x" * (MAX_REQUEST_BYTES + 1)).SerializeToString()
+            answer = await client.call(grpc_headers(), frame(big))
+            await client.close()
+        return answer
+
+    answer = asyncio.run(go())
+    assert answer.headers[b"grpc-status"] == b"8"  # RESOURCE_EXHAUSTED
+    assert b"limit" in answer.headers[b"grpc-message"]
+
+
+def test_a_dropped_connection_closes_its_generations():
+    async def go():
+        fake = FakeService()
+        fake.hang_after_first = True
+        async with serving(fake) as (endpoint, _):
+            client = await RawClient.connect(endpoint)
+            for _ in range(3):
+                await client.send(grpc_headers(), frame(request(10).SerializeToString()))
+            await until(lambda: fake.opened == 3)
+            await client.close()
+            await until(all_closed(fake))
+        return fake
+
+    fake = asyncio.run(go())
+    assert fake.opened == fake.closed == 3
+
+
+def test_a_stop_ends_calls_past_the_grace_unavailable_and_refuses_new_ones():
+    async def go():
+        fake = FakeService()
+        fake.hang_after_first = True
+        endpoint = GrpcEndpoint("127.0.0.1")
+        await endpoint.start(Servicer(fake))
+        async with grpc.aio.insecure_channel(endpoint.endpoint) as channel:
+            call = pb_grpc.GenerationStub(channel).Generate(request(10))
+            await call.read()
+            started = time.monotonic()
+            await endpoint.stop(0.3)
+            took = time.monotonic() - started
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await pb_grpc.GenerationStub(channel).Generate(request(2), timeout=2).read()
+        return took, ended.value.code(), refused.value.code(), fake
+
+    took, ended, refused, fake = asyncio.run(go())
+    assert 0.3 <= took < 2.0
+    assert ended == grpc.StatusCode.UNAVAILABLE
+    assert refused in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert fake.opened == fake.closed == 1
+
+
+def test_a_response_larger_than_the_clients_window_arrives_whole():
+    """128 KiB in one message to a client with a 1 KiB window: many DATA frames, each sent as
+    the client's window updates allow."""
+
+    async def go():
+        async with serving() as (endpoint, servicer):
+            servicer.big_text = "m" * (128 << 10)
+            async with grpc.aio.insecure_channel(endpoint, options=SMALL_WINDOW) as channel:
+                return await pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+
+    assert asyncio.run(go()).model_id == "m" * (128 << 10)
+
+
+def test_a_slow_client_gets_every_token_in_order_in_fewer_messages():
+    """The real orchestrator behind the endpoint (tests/router/stream_rig.py), a step every
+    2 ms: a client with a small window reading one message per 20 ms holds the stream back
+    by flow control once its window is full, and the router coalesces what it has not
+    taken."""
+
+    async def go():
+        async with orchestrator(StepWorker(interval_s=0.002), RecordingMetrics()) as orch:
+            async with serving(orch) as (endpoint, _):
+                async with grpc.aio.insecure_channel(endpoint, options=SMALL_WINDOW) as channel:
+                    msgs = []
+                    call = pb_grpc.GenerationStub(channel).Generate(
+                        pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=greedy(400))
+                    )
+                    async for msg in call:
+                        msgs.append(msg)
+                        await asyncio.sleep(0.02)
+                    return msgs
+
+    msgs = asyncio.run(go())
+    assert [t for m in msgs for t in m.token_ids] == list(range(FIRST_TOKEN, FIRST_TOKEN + 400))
+    assert len(msgs) < 200
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert msgs[-1].usage.completion_tokens == 400
+    assert all(not m.HasField("usage") for m in msgs[:-1])
+
+
+def greedy(max_tokens: int) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

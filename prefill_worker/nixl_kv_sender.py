@@ -19,7 +19,9 @@ from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.kv_transfer.nixl_pool import NixlPool
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
-PROGRESS_INTERVAL_S = 0.0005
+# 1 ms: uvloop (Ray's actor loop) rounds a timer down to whole milliseconds, so 0.5 ms made this a
+# busy loop there (a core whole while a lease was held); plain asyncio's clock gave ~1 ms anyway.
+PROGRESS_INTERVAL_S = 0.001
 WIREUP_S = 2.0  # progress this long after a describe, for the reader's connection set-up
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -16,10 +17,9 @@ import pytest
 from cluster.errors import InvalidArgument
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.grpc_api import generate_responses, model_info_to_proto
 from router.grpc_call import MAX_REQUEST_BYTES
 from router.grpc_endpoint import GrpcEndpoint
-from router.router import _fail
+from router.router import Router
 from tests.router.fake_service import FakeService
 from tests.router.h2_client import RawClient, frame, grpc_headers
 from tests.router.stream_rig import FIRST_TOKEN, RecordingMetrics, StepWorker, orchestrator
@@ -30,41 +30,36 @@ SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024
 
 
 class Servicer:
-    """As `Router` serves the API (router/router.py), over a generation service."""
+    """The router's own methods (router/router.py) over a generation service; `GetStats`
+    fails without setting a code."""
+
+    Generate = Router.Generate
+    GetModelInfo = Router.GetModelInfo
 
     def __init__(self, service) -> None:
-        self.service = service
-        self.big_text = ""  # GetModelInfo's model_id, to make its answer large
-
-    async def Generate(self, request, context):
-        try:
-            async with aclosing(generate_responses(request, self.service)) as responses:
-                async for response in responses:
-                    yield response
-        except Exception as e:
-            _fail(context, e)
-            raise
-
-    async def GetModelInfo(self, request, context):
-        info = model_info_to_proto(self.service.model)
-        if self.big_text:
-            info.model_id = self.big_text
-        return info
+        self.orch = service
 
     async def GetStats(self, request, context):
         raise RuntimeError("no code set")
 
 
 @asynccontextmanager
-async def serving(service=None, grace_s: float = 1.0):
-    service = service or FakeService()
+async def serving(service):
+    """`service` behind a started endpoint; its "host:port"."""
     endpoint = GrpcEndpoint("127.0.0.1")
-    servicer = Servicer(service)
-    await endpoint.start(servicer)
+    await endpoint.start(Servicer(service))
     try:
-        yield endpoint.endpoint, servicer
+        yield endpoint.endpoint
     finally:
-        await endpoint.stop(grace_s)
+        await endpoint.stop(1.0)
+
+
+@asynccontextmanager
+async def connected(service, options=None):
+    """A grpc.aio client's stub and channel to `service` behind an endpoint."""
+    async with serving(service) as endpoint:
+        async with grpc.aio.insecure_channel(endpoint, options=options) as channel:
+            yield pb_grpc.GenerationStub(channel), channel
 
 
 def request(max_tokens: int, prompt: str = "hello") -> pb.GenerateRequest:
@@ -85,21 +80,19 @@ def all_closed(fake: FakeService):
 def test_streams_unary_calls_and_statuses_as_grpc_has_them():
     async def go():
         fake = FakeService()
-        async with serving(fake) as (endpoint, _):
-            async with grpc.aio.insecure_channel(endpoint) as channel:
-                stub = pb_grpc.GenerationStub(channel)
-                msgs = [m async for m in stub.Generate(request(5))]
-                info = await stub.GetModelInfo(pb.GetModelInfoRequest())
-                codes = []
-                fake.refuse = InvalidArgument("bad prompt: ünïcode 100% ✓", param="prompt")
-                for call in (
-                    lambda: stub.Generate(request(3)).read(),
-                    lambda: stub.GetStats(pb.GetStatsRequest()),
-                    lambda: channel.unary_unary("/pdserve.v1.Generation/Nope")(b""),
-                ):
-                    with pytest.raises(grpc.aio.AioRpcError) as e:
-                        await call()
-                    codes.append((e.value.code(), e.value.details()))
+        async with connected(fake) as (stub, channel):
+            msgs = [m async for m in stub.Generate(request(5))]
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+            codes = []
+            fake.refuse = InvalidArgument("bad prompt: ünïcode 100% ✓", param="prompt")
+            for call in (
+                lambda: stub.Generate(request(3)).read(),
+                lambda: stub.GetStats(pb.GetStatsRequest()),
+                lambda: channel.unary_unary("/pdserve.v1.Generation/Nope")(b""),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call()
+                codes.append((e.value.code(), e.value.details()))
         return msgs, info, codes, fake
 
     msgs, info, codes, fake = asyncio.run(go())
@@ -120,14 +113,12 @@ def test_many_streams_share_one_connection():
 
     async def go():
         fake = FakeService()
-        async with serving(fake) as (endpoint, _):
-            async with grpc.aio.insecure_channel(endpoint) as channel:
-                stub = pb_grpc.GenerationStub(channel)
+        async with connected(fake) as (stub, channel):
 
-                async def one(i: int) -> list[str]:
-                    return [m.text async for m in stub.Generate(request(8, f"p{i}"))]
+            async def one(i: int) -> list[str]:
+                return [m.text async for m in stub.Generate(request(8, f"p{i}"))]
 
-                return await asyncio.gather(*(one(i) for i in range(300))), fake
+            return await asyncio.gather(*(one(i) for i in range(300))), fake
 
     texts, fake = asyncio.run(go())
     assert all(t == [f" t{i}" for i in range(8)] for t in texts)
@@ -138,18 +129,16 @@ def test_a_deadline_or_a_cancel_closes_the_generation():
     async def go():
         fake = FakeService()
         fake.hang_after_first = True
-        async with serving(fake) as (endpoint, _):
-            async with grpc.aio.insecure_channel(endpoint) as channel:
-                stub = pb_grpc.GenerationStub(channel)
-                call = stub.Generate(request(10), timeout=0.3)
-                first = await call.read()
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await call.read()
-                await until(all_closed(fake))
-                call = stub.Generate(request(10))
+        async with connected(fake) as (stub, channel):
+            call = stub.Generate(request(10), timeout=0.3)
+            first = await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
                 await call.read()
-                call.cancel()
-                await until(lambda: fake.closed == 2)
+            await until(all_closed(fake))
+            call = stub.Generate(request(10))
+            await call.read()
+            call.cancel()
+            await until(lambda: fake.closed == 2)
         return first, e.value.code(), fake
 
     first, code, fake = asyncio.run(go())
@@ -164,7 +153,7 @@ def test_the_server_keeps_the_deadline_a_request_carries():
     async def go():
         fake = FakeService()
         fake.hang_after_first = True
-        async with serving(fake) as (endpoint, _):
+        async with serving(fake) as endpoint:
             client = await RawClient.connect(endpoint)
             body = frame(request(10).SerializeToString())
             answer = await client.call(grpc_headers(grpc_timeout=b"200m"), body)
@@ -196,7 +185,7 @@ def test_the_server_keeps_the_deadline_a_request_carries():
 def test_what_no_grpc_client_sends_gets_a_clear_status(headers, body, status, grpc_status):
     async def go():
         fake = FakeService()
-        async with serving(fake) as (endpoint, _):
+        async with serving(fake) as endpoint:
             client = await RawClient.connect(endpoint)
             answer = await client.call(headers, body)
             after = await client.call(grpc_headers(), frame(request(2).SerializeToString()))
@@ -212,7 +201,7 @@ def test_what_no_grpc_client_sends_gets_a_clear_status(headers, body, status, gr
 
 def test_a_request_over_the_size_limit_is_refused():
     async def go():
-        async with serving() as (endpoint, _):
+        async with serving(FakeService()) as endpoint:
             client = await RawClient.connect(endpoint)
             big = request(2, "x" * (MAX_REQUEST_BYTES + 1)).SerializeToString()
             answer = await client.call(grpc_headers(), frame(big))
@@ -228,7 +217,7 @@ def test_a_dropped_connection_closes_its_generations():
     async def go():
         fake = FakeService()
         fake.hang_after_first = True
-        async with serving(fake) as (endpoint, _):
+        async with serving(fake) as endpoint:
             client = await RawClient.connect(endpoint)
             for _ in range(3):
                 await client.send(grpc_headers(), frame(request(10).SerializeToString()))
@@ -271,10 +260,10 @@ def test_a_response_larger_than_the_clients_window_arrives_whole():
     the client's window updates allow."""
 
     async def go():
-        async with serving() as (endpoint, servicer):
-            servicer.big_text = "m" * (128 << 10)
-            async with grpc.aio.insecure_channel(endpoint, options=SMALL_WINDOW) as channel:
-                return await pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+        fake = FakeService()
+        fake.model = replace(fake.model, model_id="m" * (128 << 10))
+        async with connected(fake, SMALL_WINDOW) as (stub, _):
+            return await stub.GetModelInfo(pb.GetModelInfoRequest())
 
     assert asyncio.run(go()).model_id == "m" * (128 << 10)
 
@@ -287,16 +276,15 @@ def test_a_slow_client_gets_every_token_in_order_in_fewer_messages():
 
     async def go():
         async with orchestrator(StepWorker(interval_s=0.002), RecordingMetrics()) as orch:
-            async with serving(orch) as (endpoint, _):
-                async with grpc.aio.insecure_channel(endpoint, options=SMALL_WINDOW) as channel:
-                    msgs = []
-                    call = pb_grpc.GenerationStub(channel).Generate(
-                        pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=greedy(400))
-                    )
-                    async for msg in call:
-                        msgs.append(msg)
-                        await asyncio.sleep(0.02)
-                    return msgs
+            async with connected(orch, SMALL_WINDOW) as (stub, _):
+                msgs = []
+                call = stub.Generate(
+                    pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=greedy(400))
+                )
+                async for msg in call:
+                    msgs.append(msg)
+                    await asyncio.sleep(0.02)
+                return msgs
 
     msgs = asyncio.run(go())
     assert [t for m in msgs for t in m.token_ids] == list(range(FIRST_TOKEN, FIRST_TOKEN + 400))

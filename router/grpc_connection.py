@@ -36,6 +36,9 @@ log = logging.getLogger("ray.serve." + __name__)
 # default of 100 would queue a larger batch of streams at the client).
 MAX_STREAMS = 4096
 MAX_HEADER_LIST_BYTES = 16 << 10
+# Response bytes framed in one loop turn before a sender waits for the turn's write: a method
+# that yields without awaiting cannot starve the loop or buffer without bound.
+TURN_BYTES = 64 << 10
 _H2 = h2.config.H2Configuration(client_side=False, header_encoding=None)
 _RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # grpc-message as it is
@@ -62,6 +65,8 @@ class GrpcConnection(asyncio.Protocol):
         self.paused = False
         self.stopping = False
         self.flush_due = False
+        self.unflushed = 0  # response bytes framed since the last flush
+        self.flushed: asyncio.Future | None = None  # set by the next flush
         self.transport: asyncio.Transport | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------
@@ -160,7 +165,8 @@ class GrpcConnection(asyncio.Protocol):
 
     def send(self, call: GrpcCall, message: Any) -> asyncio.Future | None:
         """Frame one response for `call`; a future to wait on while flow control (or a full
-        socket buffer) holds it back, else None."""
+        socket buffer) holds it back, or until this turn's write once `TURN_BYTES` are framed;
+        else None."""
         if call.gone:
             raise asyncio.CancelledError  # the stream is reset: its method is closed
         body = message.SerializeToString()
@@ -176,7 +182,12 @@ class GrpcConnection(asyncio.Protocol):
         ):
             self.h2.send_data(call.stream_id, data)
             self._flush_soon()
-            return None
+            self.unflushed += len(data)
+            if self.unflushed < TURN_BYTES:
+                return None
+            if self.flushed is None:
+                self.flushed = self.loop.create_future()
+            return asyncio.shield(self.flushed)  # a waiter's cancel must not reach the others
         call.pending += data
         self.pump_call(call)
         self._flush_soon()
@@ -233,10 +244,13 @@ class GrpcConnection(asyncio.Protocol):
 
     def flush(self) -> None:
         """Write all `h2` has framed since the last flush, in one write."""
-        self.flush_due = False
+        self.flush_due, self.unflushed = False, 0
         data = self.h2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+        if self.flushed is not None:
+            self.flushed.set_result(None)  # shielded from its waiters' cancels
+            self.flushed = None
 
     def go_away(self) -> None:
         """Tell the client to open no more streams here (GOAWAY, no error); those under way go

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+from h2.settings import SettingCodes
 
 from cluster.errors import InvalidArgument
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -296,3 +297,53 @@ def test_a_slow_client_gets_every_token_in_order_in_fewer_messages():
 
 def greedy(max_tokens: int) -> pb.SamplingParams:
     return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class Flood:
+    """A `Generate` that yields 1 KiB messages without ever awaiting anything of its own."""
+
+    def __init__(self, messages: int) -> None:
+        self.messages = messages
+        self.made = 0
+        self.closed = False
+
+    async def Generate(self, request, context):
+        try:
+            for _ in range(self.messages):
+                self.made += 1
+                yield pb.GenerateResponse(text="x" * 1024)
+        finally:
+            self.closed = True
+
+
+def test_a_client_that_stops_reading_holds_the_stream_back_within_bounds():
+    """A client that grants a 1 GiB window and then reads nothing: the endpoint stops taking
+    messages once the socket's buffers are full (it never waits for flow control here), keeps
+    its loop turning meanwhile, and closes the stream when the client goes."""
+
+    async def go():
+        flood = Flood(200_000)  # 200 MiB if nothing held it back
+        endpoint = GrpcEndpoint("127.0.0.1")
+        await endpoint.start(flood)
+        try:
+            client = await RawClient.connect(endpoint.endpoint)
+            client.h2.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: (1 << 31) - 1})
+            client.h2.increment_flow_control_window(1 << 30)
+            await client.send(grpc_headers(), frame(request(1).SerializeToString()))
+            ticks = 0
+            for _ in range(20):  # the loop turns while the flood is held back
+                await asyncio.sleep(0.02)
+                ticks += 1
+            held_at = flood.made
+            await asyncio.sleep(0.2)
+            still = flood.made
+            await client.close()
+            await until(lambda: flood.closed)
+        finally:
+            await endpoint.stop(1.0)
+        return ticks, held_at, still, flood
+
+    ticks, held_at, still, flood = asyncio.run(go())
+    assert ticks == 20
+    assert held_at < 50_000 and still == held_at  # held back, ~tens of MiB at most
+    assert flood.closed

@@ -8,17 +8,9 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 
+from benchmarks.stream_load import run_loop
+
 FIRST_TOKEN = 100  # stream token i is FIRST_TOKEN + i
-
-
-def run_loop(main) -> None:
-    """`asyncio.run(main)` on uvloop, the loop Ray runs actors on, when it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
 
 
 def grpc_alone(ready, step_s: float, own_endpoint: bool) -> None:
@@ -188,18 +180,18 @@ async def router_path(worker_port: int, checkpoint: str, metrics=None):
 
 
 async def serve_router_path(orch):
-    """`orch` behind the router's direct endpoint, as `Router.Generate` serves it: the started
-    `GrpcEndpoint` (its `endpoint` is "host:port"; it serves while the caller holds it)."""
-    from router.grpc_api import generate_responses
+    """`orch` behind the router's direct endpoint, served by `Router.Generate` itself: the
+    started `GrpcEndpoint` (its `endpoint` is "host:port"; it serves while the caller holds
+    it)."""
     from router.grpc_endpoint import GrpcEndpoint
+    from router.router import Router
 
-    class Servicer:
+    class Servicer:  # the router's streaming method over `orch`, nothing else
+        Generate = Router.Generate
         GetModelInfo = GetStats = None
 
-        async def Generate(self, request, context):  # as `Router.Generate`
-            async with aclosing(generate_responses(request, orch)) as responses:
-                async for response in responses:
-                    yield response
+        def __init__(self) -> None:
+            self.orch = orch
 
     server = GrpcEndpoint("127.0.0.1")
     await server.start(Servicer())

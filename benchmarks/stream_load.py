@@ -202,7 +202,7 @@ def _client() -> None:
     if sys.stdin.readline().strip() != "go":
         return
     t0 = os.times()
-    load = _on_fast_loop(_run_load(order["target"], order["app"], requests))
+    load = run_loop(_run_load(order["target"], order["app"], requests))
     t1 = os.times()
     print("done", flush=True)
     streams = [
@@ -223,7 +223,7 @@ def _from_json(got: dict) -> LoadResult:
     return LoadResult(streams, got["began"], got["ended"], got["cpu_s"])
 
 
-def _on_fast_loop(main):
+def run_loop(main):
     """`asyncio.run(main)` on uvloop (the loop Ray and Serve use) when it is installed."""
     try:
         import uvloop

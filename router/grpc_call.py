@@ -71,6 +71,7 @@ class GrpcCall:
         self.gone = False  # the client reset the stream, or the connection is lost
         self.expired = False
         self.stopping = False
+        self.interrupted = False  # the task is cancelled already: once is all it gets
         self.task: asyncio.Task | None = None
         self.pending = bytearray()  # response bytes flow control holds back
         self.drained: asyncio.Future | None = None  # set once `pending` is handed on
@@ -153,12 +154,19 @@ class GrpcCall:
     def _expire(self) -> None:
         if self.task is not None and not self.task.done():
             self.expired = True
-            self.task.cancel()
+            self._interrupt()
 
     def cancel(self, *, gone: bool = False, stopping: bool = False) -> None:
         """End the call's task where it waits: the client left (`gone`: nothing more is
         sent) or the endpoint is stopping."""
         self.gone = self.gone or gone
         self.stopping = self.stopping or stopping
-        if self.task is not None and not self.task.done():
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        """Cancel the task once. A second cancel (the client's reset landing just after the
+        deadline, or the endpoint's stop after either) would land in the method's clean-up,
+        the `aclose` that frees the generation's KV, and cut it short."""
+        if self.task is not None and not self.task.done() and not self.interrupted:
+            self.interrupted = True
             self.task.cancel()

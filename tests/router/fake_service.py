@@ -27,7 +27,8 @@ class FakeService:
     """A `GenerationService` that generates `max_tokens` tokens " t0", " t1", ...; a stop
     string ends it early with "stop".
     Knobs: `refuse` (raised on the first `anext`), `fail_at` (raised before token i),
-    `hang_after_first`, `last_reason` (overrides the final finish reason)."""
+    `hang_after_first`, `last_reason` (overrides the final finish reason), `close_s` (how long
+    closing a generation takes, as the real one awaits its KV release)."""
 
     def __init__(self) -> None:
         self.model = ServedModel(MODEL, MODEL_ID, 128, 512, "float32", 16, "disaggregated")
@@ -35,6 +36,7 @@ class FakeService:
         self.fail_at: tuple[int, BaseException] | None = None
         self.hang_after_first = False
         self.last_reason: str | None = None
+        self.close_s = 0.0
         self.requests: list[Request] = []
         self.messages: list[dict] | None = None
         self.opened = self.closed = 0
@@ -93,7 +95,9 @@ class FakeService:
                     request.request_id, (i,), text, logprobs=fake_logprobs(params, i)
                 )
         finally:
-            await asyncio.sleep(0)  # as the real one awaits its KV release: must not be cancelled
+            await asyncio.sleep(
+                self.close_s
+            )  # as the real one awaits its KV release: must not be cancelled
             self.closed += 1
 
     def _last(self, request: Request, n: int, text: str, reason: str) -> GenerationChunk:

@@ -147,6 +147,27 @@ def test_a_deadline_or_a_cancel_closes_the_generation():
     assert fake.opened == fake.closed == 2
 
 
+def test_a_deadline_and_a_reset_together_let_the_generation_close():
+    """The client's deadline resets the stream as the server's own deadline ends the call:
+    whichever lands first cancels the method, and the other must not cancel its clean-up
+    (the generation's close, which frees its KV, takes 0.3 s here)."""
+
+    async def go():
+        fake = FakeService()
+        fake.hang_after_first, fake.close_s = True, 0.3
+        async with connected(fake) as (stub, channel):
+            call = stub.Generate(request(10), timeout=0.1)
+            await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            await until(all_closed(fake))
+        return e.value.code(), fake
+
+    code, fake = asyncio.run(go())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert fake.opened == fake.closed == 1
+
+
 def test_the_server_keeps_the_deadline_a_request_carries():
     """`grpc-timeout` alone, with no client deadline behind it: DEADLINE_EXCEEDED in the
     trailers after the first message, and the generation closed."""

@@ -118,3 +118,18 @@ def test_a_router_pool_built_in_python_gets_the_direct_endpoint_defaults():
     assert (config.router.direct_grpc, config.router.grpc_port) == (True, 0)
     off = replace(config, router=replace(config.router, direct_grpc=False))
     assert AppConfig.from_dict(off.to_dict()) == off
+
+
+def test_the_router_routes_on_its_own_loop_and_the_pools_keep_no_access_log():
+    """The router replica's handle calls route on its own event loop (no thread of Serve's in
+    between); the pools' replicas, whose calls are all the router's, log none of them."""
+    config = config_from_args(ARGS)
+    built = built_deployments(config)
+    router_env = built["Router"].ray_actor_options["runtime_env"]["env_vars"]
+    assert router_env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    assert router_env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    assert built["Router"]._deployment_config.logging_config is None
+    for name in ("Prefill", "Decode"):
+        env = built[name].ray_actor_options["runtime_env"]["env_vars"]
+        assert "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP" not in env
+        assert built[name]._deployment_config.logging_config["enable_access_log"] is False

@@ -45,7 +45,8 @@ REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # The router replica's calls to the pools: Serve's handle runs its request routing on a third
 # event loop in a thread of its own by default, each call crossing threads both ways; the
 # router's code makes no blocking handle calls, so routing runs on its own loop. Measured with
-# 64-stream bursts of 8 tokens (2 runs each): router CPU 3.55-3.74 -> 3.40-3.47 ms a request.
+# 64-stream bursts of 8 tokens (2 runs each, with the pools' access log off as well, on one
+# host): router CPU 3.88-3.91 -> 3.69-3.74 ms a request, all processes 14.7-14.8 -> 14.2-14.3.
 ROUTER_ENV_VARS = {**REPLICA_ENV_VARS, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 # Serve's access log writes a line per call to every replica's log file. For the pools those
 # calls are the router's own (two a request, their errors logged anyway), at ~3% of a pool

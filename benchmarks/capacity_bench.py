@@ -31,6 +31,7 @@ session's, in the tests). The report goes to benchmarks/results/capacity.md
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -38,8 +39,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import numpy as np
+
 from benchmarks.capacity_before import measure_before, write_json
-from benchmarks.capacity_report import PATHS, Point, render
+from benchmarks.capacity_report import PATHS, AloneRun, Point, render
 from benchmarks.grpc_calls import stub, wait_ready
 from benchmarks.options import checkpoint_options, model_dir, with_threads
 from benchmarks.paced_engine import PACED_DECODE, STEP_ENV, pace
@@ -148,20 +151,42 @@ class EngineAlone:
     def __init__(self, app: AppConfig, cpus: tuple[int, ...], step_s: float = 0.0) -> None:
         self.pool = ThreadPoolExecutor(1, initializer=_pin, initargs=(cpus,))
         self.engine = self.pool.submit(Engine, app.engine_config("colocated")).result()
+        self.runs = 0
         if step_s:
             pace(self.engine, step_s)
 
-    def tok_per_s(self, batch: list[list[int]], tokens: int) -> float:
-        """`Engine.generate` on the batch (all queued at once)."""
+    def run(self, batch: list[list[int]], tokens: int) -> AloneRun:
+        """The batch, all queued at once, stepped to the end as `Engine.generate` does."""
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        requests = [Request(f"alone-{i}", tuple(p), params) for i, p in enumerate(batch)]
-        began = time.perf_counter()
-        outs = self.pool.submit(self.engine.generate, requests).result()
-        wall = time.perf_counter() - began
-        return sum(len(o.token_ids) for o in outs) / wall
+        self.runs += 1
+        requests = [
+            Request(f"alone-{self.runs}-{i}", tuple(p), params) for i, p in enumerate(batch)
+        ]
+        return self.pool.submit(_step_through, self.engine, requests).result()
 
     def close(self) -> None:
         self.pool.shutdown()
+
+
+def _step_through(engine: Engine, requests: list[Request]) -> AloneRun:
+    """The ramp as the served load's (`LoadResult.all_decoding_s`): until every request has
+    its second token, the first one decoded."""
+    waiting = {r.request_id for r in requests}
+    began = time.perf_counter()
+    for r in requests:
+        engine.add_request(r)
+    ramp, steps, tokens = math.nan, [], 0
+    while engine.has_work():
+        t = time.perf_counter()
+        outs = engine.step()
+        if waiting:
+            waiting.difference_update(o.request_id for o in outs if o.num_output_tokens >= 2)
+            ramp = time.perf_counter() - began
+        else:
+            steps.append(time.perf_counter() - t)
+        tokens += sum(len(o.token_ids) for o in outs)
+    wall = time.perf_counter() - began
+    return AloneRun(tokens / wall, ramp, float(np.median(steps)) if steps else math.nan)
 
 
 def _pin(cpus: tuple[int, ...]) -> None:
@@ -231,15 +256,15 @@ def measure_engine(grpc_port: int, a: argparse.Namespace, checkpoint: str, engin
         points = []
         for k, n in enumerate(a.stream_counts):
             batch = prompts(n, a.prompt_tokens, vocab, 100 + k)
-            alone = engine.tok_per_s(batch, a.tokens)
+            alone = engine.run(batch, a.tokens)
             runs = {}
             for path in a.path_names:
                 for interval in a.intervals:
                     run = served(to[path], pids, batch, a.tokens, interval)
                     runs[path, interval] = run
                     log(f"{engine_kind} N={n} {path}/{interval}: {run[0].tok_per_s:.0f} tok/s")
-            alone = (alone + engine.tok_per_s(batch, a.tokens)) / 2
-            log(f"{engine_kind} N={n}: {alone:.0f} tok/s alone")
+            alone = alone.mean(engine.run(batch, a.tokens))
+            log(f"{engine_kind} N={n}: {alone.tok_per_s:.0f} tok/s alone")
             points += [
                 Point(n, path, load, alone, cpu, engine_kind, interval)
                 for (path, interval), (load, cpu) in runs.items()

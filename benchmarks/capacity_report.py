@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from benchmarks.report import header
 from benchmarks.stream_load import LoadResult
@@ -27,6 +27,19 @@ TARGET_STREAMS = 64
 
 
 @dataclass(frozen=True)
+class AloneRun:
+    """The engine alone on one batch: tok/s, the time until every request had its first
+    decoded token (its prefill steps and one step) and the median step after that."""
+
+    tok_per_s: float
+    ramp_s: float
+    step_s: float
+
+    def mean(self, other: AloneRun) -> AloneRun:
+        return AloneRun(*((a + b) / 2 for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+@dataclass(frozen=True)
 class Point:
     """One N by one path: the served load, the engine alone on the same requests and the CPU
     seconds of each process during the served run (the load client's process as "client")."""
@@ -34,7 +47,7 @@ class Point:
     streams: int
     path: str
     load: LoadResult
-    alone_tok_s: float
+    alone: AloneRun
     cpu_s: dict[str, float]
     engine: str = "model"  # "model": the tiny model; "paced": the emulated GPU engine
     interval: int = 1  # the requests' stream_interval
@@ -49,6 +62,10 @@ class Point:
     def path_us(self) -> float:
         """Proxy + router CPU per delivered token."""
         return self.us_per_token("proxy") + self.us_per_token("Router")
+
+    @property
+    def alone_tok_s(self) -> float:
+        return self.alone.tok_per_s
 
     @property
     def ratio(self) -> float:
@@ -81,8 +98,18 @@ def table(points: list[Point]) -> list[str]:
         _row("proxy, router CPU µs / message", points, _per_message),
         _row("TTFT p50 / p99 (ms)", points, lambda p: _ms(p.load.ttft(0.5), p.load.ttft(0.99))),
         _row("ITL p50 / p99 (ms)", points, lambda p: _ms(p.load.itl(0.5), p.load.itl(0.99))),
+        _row("every stream decoding after (ms), served / alone", points, _ramp),
+        _row("step once all decode (ms), served ITL p50 / alone", points, _step),
     ]
     return lines
+
+
+def _ramp(p: Point) -> str:
+    return f"{1e3 * p.load.all_decoding_s():,.0f} / {1e3 * p.alone.ramp_s:,.0f}"
+
+
+def _step(p: Point) -> str:
+    return f"{1e3 * p.load.steady_itl():,.2f} / {1e3 * p.alone.step_s:,.2f}"
 
 
 def _us(process: str):
@@ -163,6 +190,9 @@ def render(
         "- idle CPU of each process, ms per second (counted in the figures): "
         + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(idle.items())),
         "- ITL: the gap between two messages, shared by the tokens of the later one",
+        "- where the wall goes: the burst's ramp (until every stream has its first decoded "
+        "token, from the burst; the engine alone: its prefill steps and one step) and the step "
+        "once every stream decodes (served: the ITL p50 of the messages after the ramp)",
     ]
     for engine in ENGINES:
         for path in a.path_names:

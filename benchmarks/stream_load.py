@@ -90,6 +90,26 @@ class LoadResult:
         values = [v for s in self.streams for v in s.itls()]
         return float(np.quantile(values, q)) if values else float("nan")
 
+    def all_decoding_s(self) -> float:
+        """From the load's start until every stream had its second message, i.e. was in the
+        decode batch (the burst's ramp); nan if a stream ended with fewer than two."""
+        second = [s.arrivals[1][0] for s in self.streams if len(s.arrivals) > 1]
+        if not second or len(second) < len(self.streams):
+            return float("nan")
+        return max(second) - self.began
+
+    def steady_itl(self) -> float:
+        """The median inter-token latency of the messages whose gap began once every stream was
+        decoding: the served decode step at full batch, ramp and tail apart."""
+        after = self.began + self.all_decoding_s()
+        values = [
+            (at - before) / n
+            for s in self.streams
+            for (before, _), (at, n) in zip(s.arrivals, s.arrivals[1:], strict=False)
+            if before >= after
+        ]
+        return float(np.median(values)) if values else float("nan")
+
 
 def greedy_request(
     prompt: list[int], max_tokens: int, stream_interval: int = 1

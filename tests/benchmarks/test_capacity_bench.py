@@ -49,3 +49,14 @@ def test_small_run_reports_both_paths_for_each_n(ray_serve, tmp_path):
             assert all(numbers(c)[0] >= 0 for c in cells(table, f"{process} CPU µs / token"))
         for label in ("TTFT p50 / p99 (ms)", "ITL p50 / p99 (ms)"):
             assert all(len(numbers(c)) == 2 for c in cells(table, label)), label
+        # where the wall goes: the ramp served and alone (both past the first token), and the
+        # step once every stream decodes (the tail of 12 tokens is enough for one)
+        (ramp,) = [
+            numbers(c) for c in cells(table, "every stream decoding after (ms), served / alone")
+        ]
+        ttft_max = numbers(cells(table, "TTFT p50 / p99 (ms)")[0])[1]
+        assert ramp[0] >= ttft_max > 0 and ramp[1] > 0, ramp
+        (step,) = [
+            numbers(c) for c in cells(table, "step once all decode (ms), served ITL p50 / alone")
+        ]
+        assert len(step) == 2 and all(v > 0 for v in step), step

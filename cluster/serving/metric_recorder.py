@@ -32,6 +32,17 @@ def recorder(histogram, tags: dict[str, str]) -> Callable[[float], None]:
     return lambda value: record(value, tags=final)
 
 
+def positive(record: Callable[[float], None]) -> Callable[[float], None]:
+    """A counter's recording function that drops additions of 0 or less, as `Counter.inc`
+    refuses them."""
+
+    def add(value: float) -> None:
+        if value > 0:
+            record(value)
+
+    return add
+
+
 def fan_out(recorders: list[Callable[[float], None]]) -> Callable[[float], None]:
     """One function that records a value with each of `recorders`."""
     if len(recorders) == 1:

@@ -165,3 +165,4 @@ class EngineReplica:
         with contextlib.suppress(Exception):
             await self.registry.remove.remote(self.pool, self.replica_id)
         await self.engine.stop()
+        self.metrics.flush()  # the values batched on the loop

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from cluster.config import ModelConfig
-from cluster.serving.metric_recorder import recorder
+from cluster.serving.metric_recorder import positive, recorder
 
 _TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -184,14 +184,18 @@ class VllmMetrics:
                 metric.set(value, tags=kept)
 
     def recorders(self, name: str, tags: dict[str, str]) -> list[Callable[[float], None]]:
-        """For the pdserve histogram `name` with `tags`: a function of the value for each vLLM
-        histogram `mirror` would record it under (`metrics.PoolMetrics.histogram_recorder`)."""
+        """For the pdserve histogram or counter `name` with `tags`: a function of the value
+        for each vLLM histogram or counter `mirror` would record it under, as `mirror` does
+        (a counter's 0 dropped; `metrics.PoolMetrics.histogram_recorder`)."""
         renamed = {_TAG_NAMES.get(k, k): v for k, v in tags.items()}
-        return [
-            recorder(self._m[target], {k: v for k, v in renamed.items() if k in spec.tags})
-            for target in MIRRORS.get(name, ())
-            if (spec := VLLM_METRICS[target]).kind == "histogram"
-        ]
+        made = []
+        for target in MIRRORS.get(name, ()):
+            spec = VLLM_METRICS[target]
+            if spec.kind == "gauge":
+                continue
+            record = recorder(self._m[target], {k: v for k, v in renamed.items() if k in spec.tags})
+            made.append(record if spec.kind == "histogram" else positive(record))
+        return made
 
 
 def _make(name: str, spec: VllmMetric):

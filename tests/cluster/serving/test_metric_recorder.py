@@ -110,3 +110,50 @@ def test_pool_metrics_flush_records_what_its_recorders_still_hold():
         assert [v for v, _ in spy.calls] == [0.5, 0.25]
 
     asyncio.run(go())
+
+
+def _spied(metrics: PoolMetrics) -> dict[str, Spy]:
+    spies = {}
+    for name, metric in [*metrics._m.items(), *metrics._vllm._m.items()]:
+        spies[name] = Spy()
+        metric._metric = spies[name]
+    return spies
+
+
+def test_per_request_values_are_batched_on_a_loop_and_recorded_at_once_elsewhere():
+    """`observe` and `inc` on an event loop (the replicas' per-request metrics) go through
+    the batched recorders: nothing at once, every value at the flush, each vLLM mirror too; a
+    counter's 0 adds nothing to the counters but is still a histogram mirror's value. On a
+    thread with no loop (the engine thread's) they are recorded at once."""
+    metrics = PoolMetrics("decode", "my-model")
+    spies = _spied(metrics)
+
+    async def go() -> None:
+        metrics.observe("pdserve_queue_time_seconds", 0.5)
+        metrics.inc("pdserve_generation_tokens_total", 7)
+        metrics.inc("pdserve_generation_tokens_total", 0)
+        metrics.inc("pdserve_requests_finished_total", reason="stop")
+        assert not any(s.calls for s in spies.values())
+        metrics.flush()
+
+    asyncio.run(go())
+    got = {n: [v for v, _ in s.calls] for n, s in spies.items() if s.calls}
+    assert got == {
+        "pdserve_queue_time_seconds": [0.5],
+        "vllm:request_queue_time_seconds": [0.5],
+        "pdserve_generation_tokens_total": [7],
+        "vllm:generation_tokens_total": [7],
+        "vllm:request_generation_tokens": [7, 0],
+        "pdserve_requests_finished_total": [1.0],
+        "vllm:request_success_total": [1.0],
+    }
+    assert spies["vllm:request_success_total"].calls[0][1]["finished_reason"] == "stop"
+
+    for s in spies.values():
+        s.calls.clear()
+    metrics.observe("pdserve_queue_time_seconds", 0.25)  # no loop here: at once
+    metrics.inc("pdserve_generation_tokens_total", 3)
+    got = {n: [v for v, _ in s.calls] for n, s in spies.items() if s.calls}
+    assert got["pdserve_queue_time_seconds"] == [0.25]
+    assert got["pdserve_generation_tokens_total"] == [3]
+    assert got["vllm:request_generation_tokens"] == [3]

@@ -151,17 +151,13 @@ class EngineAlone:
     def __init__(self, app: AppConfig, cpus: tuple[int, ...], step_s: float = 0.0) -> None:
         self.pool = ThreadPoolExecutor(1, initializer=_pin, initargs=(cpus,))
         self.engine = self.pool.submit(Engine, app.engine_config("colocated")).result()
-        self.runs = 0
         if step_s:
             pace(self.engine, step_s)
 
     def run(self, batch: list[list[int]], tokens: int) -> AloneRun:
         """The batch, all queued at once, stepped to the end as `Engine.generate` does."""
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-        self.runs += 1
-        requests = [
-            Request(f"alone-{self.runs}-{i}", tuple(p), params) for i, p in enumerate(batch)
-        ]
+        requests = [Request(f"alone-{i}", tuple(p), params) for i, p in enumerate(batch)]
         return self.pool.submit(_step_through, self.engine, requests).result()
 
     def close(self) -> None:

@@ -48,11 +48,13 @@ class StreamRecord:
     def ttft(self) -> float:
         return self.arrivals[0][0] - self.called_at
 
-    def itls(self) -> list[float]:
-        """One inter-token latency per token after the first message's."""
+    def itls(self, after: float = float("-inf")) -> list[float]:
+        """One inter-token latency per token after the first message's; with `after`, only
+        for the messages whose gap began then or later."""
         out: list[float] = []
         for (before, _), (at, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
-            out.extend([(at - before) / n] * n)
+            if before >= after:
+                out.extend([(at - before) / n] * n)
         return out
 
     @property
@@ -99,15 +101,10 @@ class LoadResult:
         return max(second) - self.began
 
     def steady_itl(self) -> float:
-        """The median inter-token latency of the messages whose gap began once every stream was
+        """The inter-token latency p50 of the messages whose gap began once every stream was
         decoding: the served decode step at full batch, ramp and tail apart."""
         after = self.began + self.all_decoding_s()
-        values = [
-            (at - before) / n
-            for s in self.streams
-            for (before, _), (at, n) in zip(s.arrivals, s.arrivals[1:], strict=False)
-            if before >= after
-        ]
+        values = [v for s in self.streams for v in s.itls(after)]
         return float(np.median(values)) if values else float("nan")
 
 

@@ -95,9 +95,8 @@ class FakeService:
                     request.request_id, (i,), text, logprobs=fake_logprobs(params, i)
                 )
         finally:
-            await asyncio.sleep(
-                self.close_s
-            )  # as the real one awaits its KV release: must not be cancelled
+            # as the real one awaits its KV release: must not be cancelled
+            await asyncio.sleep(self.close_s)
             self.closed += 1
 
     def _last(self, request: Request, n: int, text: str, reason: str) -> GenerationChunk:

@@ -25,7 +25,8 @@ def recorder(histogram, tags: dict[str, str]) -> Callable[[float], None]:
     when this Ray has it, else the public call."""
     metric = getattr(histogram, "_metric", None)
     if metric is None or getattr(histogram, "_discard_metric", False):
-        return lambda value: histogram.observe(value, tags=dict(tags) or None)
+        public = getattr(histogram, "observe", None) or histogram.inc  # a counter's
+        return lambda value: public(value, tags=dict(tags) or None)
     final = histogram._get_final_tags(dict(tags) or None)
     histogram._validate_tags(final)
     record = metric.record

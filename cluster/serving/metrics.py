@@ -103,49 +103,54 @@ class PoolMetrics:
         for m in self._m.values():
             m.set_default_tags({"pool": pool})
         self._vllm = VllmMetrics(model_name)
+        self._series: dict[tuple, Callable[[float], None]] = {}
         self._recorders: dict[tuple, Batched] = {}
 
     def observe(self, name: str, value: float, **tags: str) -> None:
         """One value of histogram `name`: batched (`histogram_recorder`) on an event loop,
         recorded at once on any other thread (the engine thread's)."""
-        if _get_running_loop() is not None:
-            self.histogram_recorder(name, **tags)(value)
-            return
-        self._m[name].observe(value, tags=tags or None)
-        self._vllm.mirror(name, value, tags)
+        self._record(name, tags)(value)
 
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
         """Add `value` to counter `name` (0 adds nothing; its histogram mirrors still get
         it), batched on an event loop as `observe` is."""
-        if _get_running_loop() is not None:
-            self.histogram_recorder(name, **tags)(value)
-            return
-        if value > 0:
-            self._m[name].inc(value, tags=tags or None)
-        self._vllm.mirror(name, value, tags)
+        self._record(name, tags)(value)
 
     def set(self, name: str, value: float) -> None:
         self._m[name].set(value)
-        self._vllm.mirror(name, value, {})
+        self._vllm.mirror_gauge(name, value)
 
     def histogram_recorder(self, name: str, **tags: str) -> Callable[[float], None]:
         """`observe(name, value, **tags)` (or `inc`, for a counter) as one function of
-        `value`, for the event loop that records it: the tags are merged and checked once here
-        instead of at every value, for the series and each vLLM series it is mirrored under
-        (about 1.5 µs per series and value instead of 5), and the values are recorded in
-        batches (`Batched`: up to `FLUSH_S` later, each one still its own observation; a
-        counter's 0 adds nothing). The router records per token with it, and every replica
-        its per-request values through `observe` and `inc` (py-spy put 8-10% of the router's
-        GIL time in Ray's metric calls in bursts of requests; batched, the router's CPU a
-        request went 3.77 -> 3.64-3.71 ms in two alternating pairs, the pools' within noise)."""
+        `value`, for the event loop that records it: the values are recorded in batches
+        (`Batched`: up to `FLUSH_S` later, each one still its own observation) through the
+        series' prepared recorders (`_prepared`). The router records per token with it, and
+        every replica its per-request values through `observe` and `inc` (py-spy put 8-10% of
+        the router's GIL time in Ray's metric calls in bursts of requests; batched, the
+        router's CPU a request went 3.77 -> 3.64-3.71 ms in two alternating pairs, the pools'
+        within noise)."""
         key = (name, *sorted(tags.items()))
         made = self._recorders.get(key)
+        if made is None:
+            made = self._recorders[key] = Batched(self._prepared(key, name, tags))
+        return made
+
+    def _record(self, name: str, tags: dict[str, str]) -> Callable[[float], None]:
+        if _get_running_loop() is not None:
+            return self.histogram_recorder(name, **tags)
+        return self._prepared((name, *sorted(tags.items())), name, tags)
+
+    def _prepared(self, key: tuple, name: str, tags: dict[str, str]) -> Callable[[float], None]:
+        """One function recording a value in histogram or counter `name` with `tags` and in
+        each vLLM series it is mirrored under, the tags merged and checked once (about 1.5 µs
+        per series and value instead of 5); a counter's 0 adds nothing. Made once per key
+        (from any thread: at worst made twice)."""
+        made = self._series.get(key)
         if made is None:
             own = recorder(self._m[name], tags)
             if isinstance(self._m[name], Counter):
                 own = positive(own)
-            made = Batched(fan_out([own, *self._vllm.recorders(name, tags)]))
-            self._recorders[key] = made
+            made = self._series[key] = fan_out([own, *self._vllm.recorders(name, tags)])
         return made
 
     def flush(self) -> None:

@@ -167,26 +167,15 @@ class VllmMetrics:
         for m in self._m.values():
             m.set_default_tags({"model_name": model_name, "engine": "0"})
 
-    def mirror(self, name: str, value: float, tags: dict[str, str]) -> None:
-        """Record the pdserve observation `name` = `value` again under each vLLM name that
-        `MIRRORS` maps it to. A counter's addition of 0 is dropped, as Ray refuses it."""
+    def mirror_gauge(self, name: str, value: float) -> None:
+        """Set each vLLM gauge that `MIRRORS` maps the pdserve gauge `name` to."""
         for target in MIRRORS.get(name, ()):
-            spec = VLLM_METRICS[target]
-            renamed = {_TAG_NAMES.get(k, k): v for k, v in tags.items()}
-            kept = {k: v for k, v in renamed.items() if k in spec.tags} or None
-            metric = self._m[target]
-            if spec.kind == "histogram":
-                metric.observe(value, tags=kept)
-            elif spec.kind == "counter":
-                if value > 0:
-                    metric.inc(value, tags=kept)
-            else:
-                metric.set(value, tags=kept)
+            self._m[target].set(value)
 
     def recorders(self, name: str, tags: dict[str, str]) -> list[Callable[[float], None]]:
         """For the pdserve histogram or counter `name` with `tags`: a function of the value
-        for each vLLM histogram or counter `mirror` would record it under, as `mirror` does
-        (a counter's 0 dropped; `metrics.PoolMetrics.histogram_recorder`)."""
+        for each vLLM histogram or counter `MIRRORS` maps it to, its tags renamed and kept as
+        that series has them (a counter's 0 dropped; `metrics.PoolMetrics._prepared`)."""
         renamed = {_TAG_NAMES.get(k, k): v for k, v in tags.items()}
         made = []
         for target in MIRRORS.get(name, ()):

@@ -10,8 +10,9 @@ served model's name) and `engine` ("0": one engine per replica), `finished_reaso
 `request_success`; Serve adds deployment, replica and application. Types, help texts and bucket
 boundaries are vLLM's.
 
-Nothing records these by name: `VllmMetrics.mirror` records each pdserve observation again
-under the vLLM names `MIRRORS` maps it to, so the two never disagree.
+Nothing records these by name: each pdserve observation is recorded again under the vLLM names
+`MIRRORS` maps it to (`VllmMetrics.recorders` for histograms and counters, `mirror_gauge`), so
+the two never disagree.
 """
 
 from __future__ import annotations

@@ -98,7 +98,12 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 }  // namespace pdserve
 
+// Both run without the GIL, as torch's own ops do: the engine thread's GEMMs then overlap the
+// replica's event loop instead of stalling it (and the loop's Python no longer stalls them).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_weight", &pdserve::pack_weight, "pack an [n, k] fp32 weight for packed_linear");
-  m.def("packed_linear", &pdserve::packed_linear, "x @ W^T (+ bias) over a packed weight");
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("pack_weight", &pdserve::pack_weight, "pack an [n, k] fp32 weight for packed_linear",
+        release());
+  m.def("packed_linear", &pdserve::packed_linear, "x @ W^T (+ bias) over a packed weight",
+        release());
 }

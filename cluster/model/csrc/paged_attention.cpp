@@ -290,7 +290,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
 }  // namespace pdserve
 
+// Runs without the GIL, as torch's own ops do (see packed_gemm.cpp).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &pdserve::paged_decode_attention,
-        "Paged decode attention over a block table (CPU)");
+        "Paged decode attention over a block table (CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

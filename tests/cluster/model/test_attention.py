@@ -14,6 +14,7 @@ from cluster.model.decode_attention import (
     load_kernel,
     select_decode_attention,
 )
+from tests.cluster.model.gil import other_thread_wait_s
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -99,3 +100,19 @@ def test_kernel_rejects_bad_input(kernel) -> None:
 def test_selection(kernel) -> None:
     assert isinstance(select_decode_attention(torch.device("cpu"), None), KernelDecodeAttention)
     assert isinstance(select_decode_attention(torch.device("meta"), 8), TorchDecodeAttention)
+
+
+def test_kernel_lets_other_threads_run(kernel) -> None:
+    """The kernel releases the GIL. 256 sequences read one 4,096-token context (the same blocks,
+    so the pool stays small) with 32 query heads per KV head: long enough to tell."""
+    g = torch.Generator().manual_seed(2)
+    block, context, seqs, dim = 16, 4096, 256, 128
+    k_cache = torch.randn(context // block, block, 1, dim, generator=g)
+    v_cache = torch.randn(context // block, block, 1, dim, generator=g)
+    tables = torch.arange(context // block, dtype=torch.int32).repeat(seqs, 1)
+    lens = torch.full((seqs,), context, dtype=torch.int32)
+    q = torch.randn(seqs, 32, dim, generator=g)
+    call = kernel.paged_decode_attention
+    waited, took = other_thread_wait_s(lambda: call(q, k_cache, v_cache, tables, lens, 0.1, 0))
+    assert took > 0.05, f"the call took {took * 1e3:.1f} ms, too short to tell"
+    assert waited < took / 2, f"the other thread waited {waited * 1e3:.1f} of {took * 1e3:.1f} ms"

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from cluster.model.linear import PACKED_ROWS, Linear, load_packed_gemm, pack_linears
 from cluster.request import Request
+from tests.cluster.model.gil import other_thread_wait_s
 from tests.conftest import greedy, prompt, run_to_completion
 
 # (out_features, in_features): square, narrow (a GQA k/v projection), wide, and an odd size.
@@ -103,3 +104,13 @@ def test_packed_and_plain_engines_agree(kernel, model_dir, make_engine) -> None:
         engine = make_engine(path, packed_weights=packed)
         outs[packed] = {r: o.token_ids for r, o in run_to_completion(engine, requests).items()}
     assert outs[True] == outs[False]
+
+
+def test_packed_linear_lets_other_threads_run(kernel) -> None:
+    """The GEMM releases the GIL, so a replica's event loop runs while the engine multiplies."""
+    g = torch.Generator().manual_seed(1)
+    packed = kernel.pack_weight(torch.randn(4096, 4096, generator=g))
+    x = torch.randn(1024, 4096, generator=g)
+    waited, took = other_thread_wait_s(lambda: kernel.packed_linear(x, packed, 4096, 4096, None))
+    assert took > 0.05, f"the call took {took * 1e3:.1f} ms, too short to tell"
+    assert waited < took / 2, f"the other thread waited {waited * 1e3:.1f} of {took * 1e3:.1f} ms"

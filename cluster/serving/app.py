@@ -40,8 +40,13 @@ PREFIX_AFFINITY_ROUTER = "router.prefix_affinity:PrefixAffinityRouter"
 # event loop in a thread of its own, and each streamed item then crosses threads twice more
 # under the GIL that the engine thread also needs; pdserve's replica methods never block (the
 # engine has its own thread), so they run on Serve's main loop. Measured with
-# `serving_bench --quick` on 2 cores: 9.1 -> 5.7 ms per streamed token.
-REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# `serving_bench --quick` on 2 cores: 9.1 -> 5.7 ms per streamed token. And Ray starts its
+# workers at nice 15, below every process of the node at 0 (Ray's own daemons, drivers, clients
+# on the host), so an engine thread gave way to all of them; pdserve's replicas keep nice 0.
+# Measured on 2 cores with 64 streams x 256 tokens: the decode engine thread's wait for a core
+# 13.5 -> 10.7% of its CPU time; `capacity_bench` direct 0.81, 0.82, 0.84 of the engine alone
+# against 0.78, 0.81 (alternating runs).
+REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_worker_niceness": "0"}
 # The router replica's calls to the pools: Serve's handle runs its request routing on a third
 # event loop in a thread of its own by default, each call crossing threads both ways; the
 # router's code makes no blocking handle calls, so routing runs on its own loop. Measured with

@@ -249,3 +249,23 @@ def test_the_colocated_engine_thread_runs_on_its_configured_core_only(apps):
         assert set(got["replica"]) > set(ENGINE_CORE)
     pd = serve.get_deployment_handle("Decode", app_name=PD).cpu_affinity.remote().result()
     assert pd["engine"] == pd["replica"]  # no engine_cpus: the engine thread is not pinned
+
+
+def test_every_replica_runs_at_the_nice_value_of_a_normal_process(apps):
+    """Ray starts its workers at nice 15, under every process of the node at 0 (its own daemons,
+    drivers, clients on the host); pdserve's replicas, engine threads included, leave it."""
+    replicas = {}
+    for entry in os.scandir("/proc"):
+        try:
+            title = open(f"/proc/{entry.name}/cmdline", "rb").read().replace(b"\0", b" ")
+        except OSError:  # not a process, or gone
+            continue
+        if title.startswith(f"ray::ServeReplica:{PD}:".encode()):
+            replicas[entry.name] = title.decode().split()[0]
+    assert len(replicas) == 5, replicas  # a router, 2 prefill and 2 decode replicas
+    for pid, title in replicas.items():
+        nice = {}
+        for task in os.scandir(f"/proc/{pid}/task"):
+            stat = open(f"/proc/{pid}/task/{task.name}/stat").read()
+            nice[task.name] = int(stat[stat.rindex(")") + 2 :].split()[16])
+        assert set(nice.values()) == {0}, (title, nice)

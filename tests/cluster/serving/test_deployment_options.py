@@ -133,3 +133,6 @@ def test_the_router_routes_on_its_own_loop_and_the_pools_keep_no_access_log():
         env = built[name].ray_actor_options["runtime_env"]["env_vars"]
         assert "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP" not in env
         assert built[name]._deployment_config.logging_config["enable_access_log"] is False
+    for name in ("Router", "Prefill", "Decode"):  # not Ray's nice 15 for workers
+        env = built[name].ray_actor_options["runtime_env"]["env_vars"]
+        assert env["RAY_worker_niceness"] == "0"

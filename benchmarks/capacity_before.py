@@ -45,6 +45,7 @@ def summary(points: list[Point]) -> list[dict]:
             "itl_p99": p.load.itl(0.99),
             "ttft_p50": p.load.ttft(0.5),
             "tok_s": p.load.tok_per_s,
+            "ratio": p.ratio,
             "path_us": p.path_us,
         }
         for p in points
@@ -72,7 +73,8 @@ def measure_before(rev: str, a: argparse.Namespace) -> list[dict]:
         out = Path(tmp) / "before.json"
         argv = ["--tokens", str(a.tokens)]
         argv += ["--prompt-tokens", str(a.prompt_tokens), "--threads", str(a.threads)]
-        argv += ["--preset", a.preset, "--out", "-", "--json", str(out)]
+        argv += ["--preset", a.preset, "--repeats", str(a.repeats)]
+        argv += ["--out", "-", "--json", str(out)]
         if a.model_dir:
             argv += ["--model-dir", str(a.model_dir)]
         path = os.pathsep.join([tmp, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

@@ -2,8 +2,8 @@
 app (1 router, 1 prefill and 1 decode replica), against the engine alone.
 
     python -m benchmarks.capacity_bench [--streams 1,16,64,256] [--tokens 256]
-        [--prompt-tokens 16] [--paths proxy,direct] [--engine-cpus LIST] [--before REV]
-        [--out FILE]
+        [--prompt-tokens 16] [--paths proxy,direct] [--repeats 3] [--engine-cpus LIST]
+        [--before REV] [--out FILE]
 
 For each N, all N streams (greedy, `ignore_eos`, `--tokens` each, prompts of their own) are
 sent at once over one channel, by each path in turn: through Serve's gRPC proxy ("proxy"), and
@@ -15,7 +15,10 @@ per delivered token, from /proc (Serve's proxy, the router, the decode and the p
 and the load client, a process of its own on uvloop); tokens per message (the path coalesces
 streams that fall behind); and the time to first token (TTFT) and inter-token latency (ITL)
 p50 / p99 as the client saw them (`benchmarks/stream_load.py`). Each process's CPU while the
-app sat idle is shown apart; the figures count all of it.
+app sat idle is shown apart; the figures count all of it. All of that runs `--repeats` times in
+turn on the one deployed app, the engine alone around each round, and each (N, path) shows its
+run of median delivered / engine alone beside every run's ratio: on a shared 2-core machine one
+run's ratio moves by ±0.04.
 
 Targets (issue 21), at N = 64: proxy + router at most 100 µs of CPU per delivered token, and
 delivered tok/s at least 0.8x the engine alone; both are checked for each path. With
@@ -76,6 +79,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="K > 1: also run every N and path with GenerateRequest.stream_interval K "
         "(tokens per message after the first), reported beside the default stream",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        metavar="K",
+        help="run every N by every path K times in turn, the engine alone around each round; "
+        "the report shows each point's run of median delivered / engine alone, and every "
+        "run's ratio",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU window")
     p.add_argument(
@@ -113,6 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.intervals = [1] if a.stream_interval <= 1 else [1, a.stream_interval]
     if not a.stream_counts or not set(a.path_names) <= set(PATHS) or not a.path_names:
         p.error(f"--streams needs N values and --paths some of {', '.join(PATHS)}")
+    if a.repeats < 1:
+        p.error("--repeats needs at least 1")
     if (a.engine_cpus or a.gpu_step_ms) and a.grpc_port:
         p.error("--engine-cpus and --gpu-step-ms need a Ray this script starts")
     return a
@@ -252,21 +266,35 @@ def measure_engine(grpc_port: int, a: argparse.Namespace, checkpoint: str, engin
         points = []
         for k, n in enumerate(a.stream_counts):
             batch = prompts(n, a.prompt_tokens, vocab, 100 + k)
-            alone = engine.run(batch, a.tokens)
-            runs = {}
-            for path in a.path_names:
-                for interval in a.intervals:
-                    run = served(to[path], pids, batch, a.tokens, interval)
-                    runs[path, interval] = run
-                    log(f"{engine_kind} N={n} {path}/{interval}: {run[0].tok_per_s:.0f} tok/s")
-            alone = alone.mean(engine.run(batch, a.tokens))
-            log(f"{engine_kind} N={n}: {alone.tok_per_s:.0f} tok/s alone")
-            points += [
-                Point(n, path, load, alone, cpu, engine_kind, interval)
-                for (path, interval), (load, cpu) in runs.items()
-            ]
+            runs = [rounds(engine, to, pids, batch, a, engine_kind) for _ in range(a.repeats)]
+            points += [median_run([r[key] for r in runs]) for key in runs[0]]
         engine.close()
         return points, idle, kv_transport(app)
+
+
+def rounds(engine: EngineAlone, to: dict[str, str], pids, batch, a, engine_kind: str):
+    """One round: the batch by every path and interval, the engine alone before and after
+    (averaged); (path, interval) -> Point."""
+    n = len(batch)
+    alone = engine.run(batch, a.tokens)
+    runs = {}
+    for path in a.path_names:
+        for interval in a.intervals:
+            runs[path, interval] = served(to[path], pids, batch, a.tokens, interval)
+            log(f"{engine_kind} N={n} {path}/{interval}: {runs[path, interval][0].tok_per_s:.0f}")
+    alone = alone.mean(engine.run(batch, a.tokens))
+    log(f"{engine_kind} N={n}: {alone.tok_per_s:.0f} tok/s alone")
+    return {
+        key: Point(n, key[0], load, alone, cpu, engine_kind, key[1])
+        for key, (load, cpu) in runs.items()
+    }
+
+
+def median_run(points: list[Point]) -> Point:
+    """The run of median delivered / engine alone (the lower middle of an even count), with
+    every run's ratio, in the order they ran."""
+    chosen = sorted(points, key=lambda p: p.ratio)[(len(points) - 1) // 2]
+    return replace(chosen, ratios=tuple(p.ratio for p in points))
 
 
 def main(argv: list[str] | None = None) -> str:

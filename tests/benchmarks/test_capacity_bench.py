@@ -22,6 +22,7 @@ def numbers(cell: str) -> list[float]:
 def test_small_run_reports_both_paths_for_each_n(ray_serve, tmp_path):
     out = tmp_path / "capacity.md"
     argv = ["--streams", "3", "--tokens", "12", "--idle-seconds", "0.5", "--stream-interval", "4"]
+    argv += ["--repeats", "2"]
     argv += ["--grpc-port", str(ray_serve.grpc_port), "--out", str(out)]
     report = capacity_bench.main(argv)
     assert out.read_text("utf-8") == report
@@ -42,6 +43,10 @@ def test_small_run_reports_both_paths_for_each_n(ray_serve, tmp_path):
         assert cells(table, "streams (N)") == ["3"]
         for label in ("delivered tok/s", "engine alone tok/s", "delivered / engine alone"):
             assert all(numbers(c)[0] > 0 for c in cells(table, label)), label
+        # two runs each: the one shown is the lower middle of their ratios, i.e. the lower
+        (runs,) = [numbers(c) for c in cells(table, "delivered / engine alone, every run")]
+        assert len(runs) == 2 and min(runs) > 0, runs
+        assert numbers(cells(table, "delivered / engine alone")[0]) == [min(runs)], table
         per_message = [numbers(c)[0] for c in cells(table, "tokens per message")]
         assert all(1 <= t <= 12 for t in per_message), per_message
         for process in ("Router", "Decode", "client (own process, uvloop)"):

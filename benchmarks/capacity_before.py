@@ -75,6 +75,8 @@ def measure_before(rev: str, a: argparse.Namespace) -> list[dict]:
         argv += ["--prompt-tokens", str(a.prompt_tokens), "--threads", str(a.threads)]
         argv += ["--preset", a.preset, "--repeats", str(a.repeats)]
         argv += ["--out", "-", "--json", str(out)]
+        if a.decode_engine_cpus:
+            argv += ["--decode-engine-cpus", ",".join(map(str, a.decode_engine_cpus))]
         if a.model_dir:
             argv += ["--model-dir", str(a.model_dir)]
         path = os.pathsep.join([tmp, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

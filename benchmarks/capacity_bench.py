@@ -2,8 +2,8 @@
 app (1 router, 1 prefill and 1 decode replica), against the engine alone.
 
     python -m benchmarks.capacity_bench [--streams 1,16,64,256] [--tokens 256]
-        [--prompt-tokens 16] [--paths proxy,direct] [--repeats 3] [--engine-cpus LIST]
-        [--before REV] [--out FILE]
+        [--prompt-tokens 16] [--paths proxy,direct] [--repeats 3]
+        [--engine-cpus LIST | --decode-engine-cpus LIST] [--before REV] [--out FILE]
 
 For each N, all N streams (greedy, `ignore_eos`, `--tokens` each, prompts of their own) are
 sent at once over one channel, by each path in turn: through Serve's gRPC proxy ("proxy"), and
@@ -99,6 +99,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "proxy, the router and the load client then run on the others (default: no pinning)",
     )
     p.add_argument(
+        "--decode-engine-cpus",
+        type=cpu_list_arg,
+        default=(),
+        metavar="LIST",
+        help="cores of the decode pool's engine thread (and the engine alone's), nothing "
+        "reserved: every other thread still runs anywhere (the decode pool's engine_cpus)",
+    )
+    p.add_argument(
         "--before",
         metavar="REV",
         default=None,
@@ -127,6 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--streams needs N values and --paths some of {', '.join(PATHS)}")
     if a.repeats < 1:
         p.error("--repeats needs at least 1")
+    if a.engine_cpus and a.decode_engine_cpus:
+        p.error("--engine-cpus pins both pools' engines: leave --decode-engine-cpus out")
     if (a.engine_cpus or a.gpu_step_ms) and a.grpc_port:
         p.error("--engine-cpus and --gpu-step-ms need a Ray this script starts")
     return a
@@ -147,7 +157,7 @@ def app_config(checkpoint: str, a: argparse.Namespace) -> AppConfig:
         model=ModelConfig(path=checkpoint),
         router=replace(pool, engine_cpus=(), max_ongoing_requests=max(4 * most, 64)),
         prefill=pool,
-        decode=pool,
+        decode=replace(pool, engine_cpus=a.engine_cpus or a.decode_engine_cpus),
         default_max_tokens=a.tokens,
         name=APP,
     )
@@ -262,7 +272,7 @@ def measure_engine(grpc_port: int, a: argparse.Namespace, checkpoint: str, engin
             run_load(to[path], APP, [greedy_request(p, 16) for p in prompts(4, 16, vocab, 1)])
         idle = idle_rates(pids, a.idle_seconds) if pids else {}
         step_s = a.gpu_step_ms / 1e3 if engine_kind == "paced" else 0.0
-        engine = EngineAlone(app, a.engine_cpus, step_s)
+        engine = EngineAlone(app, app.decode.engine_cpus, step_s)
         points = []
         for k, n in enumerate(a.stream_counts):
             batch = prompts(n, a.prompt_tokens, vocab, 100 + k)

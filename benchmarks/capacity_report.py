@@ -149,10 +149,14 @@ def _median_of(p: Point) -> str:
     return f" (median of {len(p.ratios)} runs: {_ratios(p)})" if len(p.ratios) > 1 else ""
 
 
-def _pinning(cpus: tuple[int, ...]) -> str:
-    if not cpus:
-        return "engine threads unpinned"
-    return f"engine threads on core(s) {format_cpu_list(cpus)}, everything else on the others"
+def _pinning(a: argparse.Namespace) -> str:
+    if a.engine_cpus:
+        cores = format_cpu_list(a.engine_cpus)
+        return f"engine threads on core(s) {cores}, everything else on the others"
+    if a.decode_engine_cpus:
+        cores = format_cpu_list(a.decode_engine_cpus)
+        return f"the decode engine thread on core(s) {cores}, every other thread anywhere"
+    return "engine threads unpinned"
 
 
 def against_before(rev: str, before: list[dict], points: list[Point]) -> list[str]:
@@ -196,7 +200,7 @@ def render(
     lines = header("Capacity: concurrent streams through proxy + router", "capacity_bench", argv)
     lines += [
         f"- app: 1 router, 1 prefill, 1 decode replica ({a.preset} preset, fp32 CPU, "
-        f"{a.threads} torch thread(s) per engine, {_pinning(a.engine_cpus)}, KV over "
+        f"{a.threads} torch thread(s) per engine, {_pinning(a)}, KV over "
         f"{transport}); {a.prompt_tokens}-token prompts, {a.tokens} tokens out per stream, "
         f"greedy, EOS ignored; wall time {wall:.0f} s",
         "- idle CPU of each process, ms per second (counted in the figures): "

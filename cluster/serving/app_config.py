@@ -72,7 +72,8 @@ class PoolConfig:
     # Cores this pool's engine threads run on (a Linux cpu list, "2" or "2-3", or a list of
     # ints); () = wherever the OS puts them. Keep Ray's own processes off them by starting Ray
     # from a process that is (`pdserve serve --engine-cpus`, or `taskset`;
-    # cluster/serving/cpu_affinity.py).
+    # cluster/serving/cpu_affinity.py). Pinning alone, nothing reserved, already keeps a decode
+    # step as fast served as alone on 2 cores (benchmarks/README.md, capacity).
     engine_cpus: CpuList = ()
     # Requests one replica works on at once; 0 = what it can really hold (its max_num_seqs).
     max_ongoing_requests: int = 0

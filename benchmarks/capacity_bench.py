@@ -276,13 +276,13 @@ def measure_engine(grpc_port: int, a: argparse.Namespace, checkpoint: str, engin
         points = []
         for k, n in enumerate(a.stream_counts):
             batch = prompts(n, a.prompt_tokens, vocab, 100 + k)
-            runs = [rounds(engine, to, pids, batch, a, engine_kind) for _ in range(a.repeats)]
+            runs = [one_round(engine, to, pids, batch, a, engine_kind) for _ in range(a.repeats)]
             points += [median_run([r[key] for r in runs]) for key in runs[0]]
         engine.close()
         return points, idle, kv_transport(app)
 
 
-def rounds(engine: EngineAlone, to: dict[str, str], pids, batch, a, engine_kind: str):
+def one_round(engine: EngineAlone, to: dict[str, str], pids, batch, a, engine_kind: str):
     """One round: the batch by every path and interval, the engine alone before and after
     (averaged); (path, interval) -> Point."""
     n = len(batch)
@@ -291,7 +291,8 @@ def rounds(engine: EngineAlone, to: dict[str, str], pids, batch, a, engine_kind:
     for path in a.path_names:
         for interval in a.intervals:
             runs[path, interval] = served(to[path], pids, batch, a.tokens, interval)
-            log(f"{engine_kind} N={n} {path}/{interval}: {runs[path, interval][0].tok_per_s:.0f}")
+            tok_s = runs[path, interval][0].tok_per_s
+            log(f"{engine_kind} N={n} {path}/{interval}: {tok_s:.0f} tok/s")
     alone = alone.mean(engine.run(batch, a.tokens))
     log(f"{engine_kind} N={n}: {alone.tok_per_s:.0f} tok/s alone")
     return {

@@ -262,10 +262,14 @@ def test_every_replica_runs_at_the_nice_value_of_a_normal_process(apps):
             continue
         if title.startswith(f"ray::ServeReplica:{PD}:".encode()):
             replicas[entry.name] = title.decode().split()[0]
-    assert len(replicas) == 5, replicas  # a router, 2 prefill and 2 decode replicas
+    roles = {title.split(":")[4].split(".")[0] for title in replicas.values()}
+    assert roles == {"Router", "Prefill", "Decode"} and len(replicas) >= 5, replicas
     for pid, title in replicas.items():
         nice = {}
         for task in os.scandir(f"/proc/{pid}/task"):
-            stat = open(f"/proc/{pid}/task/{task.name}/stat").read()
+            try:
+                stat = open(f"/proc/{pid}/task/{task.name}/stat").read()
+            except OSError:  # a thread that ended meanwhile
+                continue
             nice[task.name] = int(stat[stat.rindex(")") + 2 :].split()[16])
         assert set(nice.values()) == {0}, (title, nice)

@@ -16,6 +16,7 @@ import grpc
 import openai
 import pytest
 
+from benchmarks.proc_stats import niceness
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.e2e.conftest import CO, ENGINE_CORE, PD
@@ -265,11 +266,5 @@ def test_every_replica_runs_at_the_nice_value_of_a_normal_process(apps):
     roles = {title.split(":")[4].split(".")[0] for title in replicas.values()}
     assert roles == {"Router", "Prefill", "Decode"} and len(replicas) >= 5, replicas
     for pid, title in replicas.items():
-        nice = {}
-        for task in os.scandir(f"/proc/{pid}/task"):
-            try:
-                stat = open(f"/proc/{pid}/task/{task.name}/stat").read()
-            except OSError:  # a thread that ended meanwhile
-                continue
-            nice[task.name] = int(stat[stat.rindex(")") + 2 :].split()[16])
-        assert set(nice.values()) == {0}, (title, nice)
+        nice = {t.name: niceness(int(t.name)) for t in os.scandir(f"/proc/{pid}/task")}
+        assert set(nice.values()) - {None} == {0}, (title, nice)  # None: a thread that ended

@@ -2,7 +2,7 @@
 
 Same engine, same scheduler; the only difference from the disaggregated path is that no KV
 moves. This is what disaggregation is measured against. Tokens reach the router as from a
-decode worker: sent by the engine thread to the router's token server.
+decode worker: sent by the engine's output thread to the router's token server.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class ColocatedWorker(EngineReplica):
         self.tokens = TokenSender()
 
     async def generate(self, request: Request, route: TokenRoute) -> None:
-        """Hops 2-4 in one engine: prefill and decode `request`; the engine thread sends every
+        """Hops 2-4 in one engine: prefill and decode `request`; the output thread sends every
         output to the router's token server (`route`). Returns once the last one was sent, so
         the Serve call lasts as long as the stream; cancelling it aborts the request."""
         received = time.monotonic()
@@ -35,7 +35,7 @@ class ColocatedWorker(EngineReplica):
             await self.engine.stream_to(request.request_id, lambda e: e.add_request(request), sink)
 
     def _chunk(self, out: StepOutput, first: bool, received: float) -> WorkerChunk:
-        """Engine thread: the first chunk carries the phase times (and records them in the
+        """Output thread: the first chunk carries the phase times (and records them in the
         metrics)."""
         if not first:
             return WorkerChunk(out, self.replica_id)

@@ -6,7 +6,7 @@ own routing picks the replica in each pool. The engine reserves the prompt's blo
 the KV client writes the KV straight into them (`KVClient.fetch_into`; under `nixl` a READ from
 the prefill pool into ours). The lease is released as soon as the KV is in our pool: the
 ReleaseKV call runs while the sequence joins the batch, so its round trip is not on the way to
-the second token. The engine thread sends the tokens to the router's token server itself
+the second token. The engine's output thread sends the tokens to the router's token server
 (decode_worker/token_sender.py) while the Serve call stays open until the last one. A replica
 being removed lets its streams finish within the graceful shutdown timeout and ends the rest
 with finish reason "abort".
@@ -43,7 +43,7 @@ class DecodeWorker(EngineReplica):
         self.tokens = TokenSender()
 
     async def decode(self, req: DecodeRequest, route: TokenRoute) -> None:
-        """Hop 4: fetch the prompt's KV, import it into the batch and decode; the engine thread
+        """Hop 4: fetch the prompt's KV, import it into the batch and decode; the output thread
         sends every output to the router's token server (`route`). Returns once the last one
         was sent, so the Serve call lasts as long as the stream. Errors before the first output
         (bad lease, layout mismatch, full pool) are raised; cancelling the call aborts the
@@ -90,10 +90,10 @@ class DecodeWorker(EngineReplica):
 
 @dataclass
 class _DecodeStream:
-    """One request's way into the batch and out to the router. `admit` and `chunk` run on the
-    engine thread (`AsyncEngine.stream_to`, `StreamSink.put`): the first chunk carries the KV
-    transfer time (from the call to the end of the import) and the queue time (from there to
-    the first output) goes to the metrics."""
+    """One request's way into the batch and out to the router. `admit` runs on the engine
+    thread (`AsyncEngine.stream_to`), `chunk` on its output thread (`StreamSink.put`): the
+    first chunk carries the KV transfer time (from the call to the end of the import) and the
+    queue time (from there to the first output) goes to the metrics."""
 
     request: Request
     kv_bytes: int

@@ -1,18 +1,20 @@
-"""A worker's side of the token stream: step outputs go from the engine thread straight to the
-router's `TokenStreamServer`, one frame per router connection per step. While the router has
-not taken the previous frame (the socket holds bytes it did not send yet), a step's outputs are
-held and merged per request, and go out as one frame when the socket drains.
+"""A worker's side of the token stream: step outputs go from the engine's output thread
+straight to the router's `TokenStreamServer`, one frame per router connection per step. While
+the router has not taken the previous frame (the socket holds bytes it did not send yet), a
+step's outputs are held and merged per request, and go out as one frame when the socket
+drains.
 
 Yielding each token back through the Serve handle instead cost the worker's process several
 event loop wake-ups per token, each taking the GIL from the engine thread in the middle of a
-step (1.5-2 ms per token on 2 cores, benchmarks/serving_bench.py). Here the engine thread
-encodes and sends the frame itself; the event loop only opens connections, flushes what the
+step (1.5-2 ms per token on 2 cores, benchmarks/serving_bench.py). Here the output thread
+(`AsyncEngine`: it makes a step's outputs text while the engine runs the next) encodes and
+sends the frame itself; the event loop only opens connections, flushes what the
 socket could not take at once, and learns when a stream ends.
 
 Ownership: a `TokenSender` owns one connection per router endpoint, shared by all streams to
 that router. A `StreamSink` belongs to one request (`TokenSender.sink` opens it and forgets it
 again); it is the `StepSink` the engine hands the request's outputs to (`AsyncEngine.stream_to`):
-`put`, and `flush` on its connection, run on the engine thread, everything else on the event
+`put`, and `flush` on its connection, run on the output thread, everything else on the event
 loop. A connection that breaks (the router went away, refused a frame, or stopped reading for
 `max_pending_bytes`) fails every sink on it, and the engine aborts their requests, so no KV
 blocks stay behind.
@@ -31,7 +33,7 @@ from cluster.request import StepOutput
 from cluster.serving.pool_messages import TokenRoute, WorkerChunk
 from cluster.serving.token_wire import encode_frame, encode_merged, merge_chunks
 
-# Engine thread: wraps a request's output for the router; (output, is it the first) -> chunk.
+# Output thread: wraps a request's output for the router; (output, is it the first) -> chunk.
 ChunkMaker = Callable[[StepOutput, bool], WorkerChunk]
 
 
@@ -58,7 +60,7 @@ class StreamSink:
         self.done: asyncio.Future = conn.loop.create_future()
 
     def put(self, out: StepOutput) -> _Connection | None:
-        """Engine thread: queue the output on the connection (returned: the engine flushes
+        """Output thread: queue the output on the connection (returned: the engine flushes
         it after the step's other outputs joined it). With a stream interval, outputs after
         the generation's first token (a decode worker's first output is its second) are held
         until they make `interval` tokens, or the stream ends, and go as one chunk (None
@@ -103,7 +105,7 @@ class _Connection:
         self.max_pending = max_pending
         self.lock = threading.Lock()
         self.sinks: dict[str, StreamSink] = {}
-        self.batch: list[tuple[StreamSink, WorkerChunk]] = []  # this step's, engine thread
+        self.batch: list[tuple[StreamSink, WorkerChunk]] = []  # this step's, output thread
         self.held: dict[str, tuple[StreamSink, list[WorkerChunk]]] = {}  # under the lock
         self.held_bytes = 0  # about what the held chunks will take on the wire
         self.pending = bytearray()  # bytes the socket did not take yet
@@ -114,7 +116,7 @@ class _Connection:
         self.batch.append((sink, chunk))
 
     def flush(self) -> list[str]:
-        """Engine thread: send this step's batch, or hold it while bytes are pending. Returns
+        """Output thread: send this step's batch, or hold it while bytes are pending. Returns
         the request ids whose streams are lost (the connection broke), for the engine to
         abort."""
         batch, self.batch = self.batch, []

@@ -3,7 +3,7 @@
   2. `_prefill`: the prefill pool computes the prompt and returns the first token and a KVHandle.
   3. the first token goes to the client at once (time to first token).
   4. `_decode`: the decode pool pulls the KV named in the handle and decodes the rest.
-  5. `_relay`: the worker's engine thread sends the tokens to this router's token server
+  5. `_relay`: the worker's output thread sends the tokens to this router's token server
      (router/token_stream.py) for as long as the Serve call to the worker lasts; what arrived
      while the client's side was busy goes on as one chunk; `Tally` adds finish reason, usage
      and the phase timings to the last chunk.
@@ -306,7 +306,7 @@ class Orchestrator:
 
     async def _relay(self, request_id: str, method, payload) -> AsyncIterator[WorkerChunk]:
         """Call a worker's streaming method (`method.remote(payload, route)`, a Serve handle
-        call) and yield the chunks its engine thread sends to this router's token server, up to
+        call) and yield the chunks its output thread sends to this router's token server, up to
         the last one; each yield carries every step that arrived since the previous one was
         taken (`Subscription.next`), so a stream whose client side falls behind catches up in
         fewer, larger messages. The call lasts as long as the stream, so Serve's queue limits,

@@ -2,14 +2,18 @@
 
 The engine is single-threaded, so everything that touches it (adding requests, aborting,
 importing or exporting KV, reading stats) is sent to the engine thread as a command and runs
-between two steps. Step outputs are handed back to the event loop, one queue per request, or,
-for a request admitted with `stream_to`, handed to its sink on the engine thread itself (no
-event loop wake-up per step; see decode_worker/token_sender.py).
+between two steps. The engine thread only steps: each step's token outputs go to an output
+thread, which makes them text (detokenization and stop strings, `OutputProcessor`) while the
+engine runs the next step, and hands them back to the event loop, one queue per request, or,
+for a request admitted with `stream_to`, to its sink on the output thread itself (no event loop
+wake-up per step; see decode_worker/token_sender.py). A stop string found there aborts the
+request on the engine thread; the tokens it sampled meanwhile are dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -23,6 +27,8 @@ from cluster.engine.kv_cache import KVCache, KVLayout
 from cluster.errors import NotFound
 from cluster.request import Request, StepOutput
 
+log = logging.getLogger("ray.serve." + __name__)
+
 T = TypeVar("T")
 
 
@@ -32,7 +38,7 @@ class Flushable(Protocol):
 
 
 class StepSink(Protocol):
-    """Takes one request's outputs on the engine thread. `done` (an asyncio future of the
+    """Takes one request's outputs on the output thread. `done` (an asyncio future of the
     consuming loop) resolves once the last output was taken and fails if delivery broke."""
 
     done: asyncio.Future
@@ -43,23 +49,52 @@ class StepSink(Protocol):
         """Event loop thread: the request will get no more outputs."""
 
 
+class _Failed:
+    """Output queue item: a step raised; the engine aborted `request_ids` and every stream
+    fails with `exc`."""
+
+    def __init__(self, exc: BaseException, request_ids: list[str]) -> None:
+        self.exc = exc
+        self.request_ids = request_ids
+
+
+_END = object()  # output queue item: the engine thread has stopped
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future]] = (
+        engine.detokenize_in_step = False  # `engine.output_processor` runs on the output thread
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future | None]] = (
             queue.SimpleQueue()
         )
+        self._outputs: queue.SimpleQueue[list[StepOutput] | _Failed | object] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
-        self._sinks: dict[str, StepSink] = {}  # engine thread only
+        # Added on the engine thread (before the request's first step), taken on the output
+        # thread, dropped on either: single dict operations, safe under the GIL.
+        self._sinks: dict[str, StepSink] = {}
         self._wake = threading.Event()
         self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._output_thread: threading.Thread | None = None
         self.step_count = 0
         self.step_cpu_s = 0.0  # the engine thread's CPU time inside `Engine.step`
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume outputs."""
+        """Start the engine and output threads; call from the event loop that will consume
+        outputs. Each thread keeps the CPU mask of the thread that started it: see
+        `start_engine_thread`."""
+        self.start_engine_thread()
+        if self._output_thread is None:
+            self._output_thread = threading.Thread(
+                target=self._emit, name="pdserve-output", daemon=True
+            )
+            self._output_thread.start()
+
+    def start_engine_thread(self) -> None:
+        """Start the engine thread alone (e.g. pinned to the engine's cores) and leave the
+        output thread to a later `start` (on the replica's own cores)."""
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
@@ -73,11 +108,12 @@ class AsyncEngine:
 
     def cpu_seconds(self) -> tuple[float, float]:
         """(all, inside `Engine.step`) CPU seconds of the engine thread since it started; the
-        difference is the loop's own work (commands, handing outputs to sinks and queues)."""
-        if self._thread is None or self._thread.ident is None:
-            return 0.0, 0.0
-        clock = time.pthread_getcpuclockid(self._thread.ident)
-        return time.clock_gettime(clock), self.step_cpu_s
+        difference is the loop's own work (commands, handing outputs over)."""
+        return _thread_cpu_s(self._thread), self.step_cpu_s
+
+    def output_cpu_seconds(self) -> float:
+        """CPU seconds of the output thread (text, stop strings, sinks) since it started."""
+        return _thread_cpu_s(self._output_thread)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -124,6 +160,10 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._output_thread is not None:
+            self._outputs.put(_END)
+            await asyncio.to_thread(self._output_thread.join)
+            self._output_thread = None
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
@@ -194,8 +234,12 @@ class AsyncEngine:
 
     def _undo_if_admitted(self, admitted: asyncio.Future, undo: Callable[[Engine], Any]) -> None:
         if not admitted.cancelled() and admitted.exception() is None:
-            self._commands.put((undo, self._loop.create_future()))
-            self._wake.set()
+            self._command(undo)
+
+    def _command(self, fn: Callable[[Engine], Any]) -> None:
+        """Any thread: run `fn(engine)` on the engine thread between steps, nobody waiting."""
+        self._commands.put((fn, None))
+        self._wake.set()
 
     async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[StepOutput]:
         finished = False
@@ -231,10 +275,8 @@ class AsyncEngine:
             finally:
                 self.step_cpu_s += time.thread_time() - began
             self.step_count += 1
-            if outputs and self._sinks:
-                outputs = self._to_sinks(outputs)
             if outputs:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                self._outputs.put(outputs)
 
     def _run_commands(self) -> None:
         while True:
@@ -245,12 +287,44 @@ class AsyncEngine:
             try:
                 result = fn(self.engine)
             except BaseException as exc:
-                self._loop.call_soon_threadsafe(_settle, fut, None, exc)
+                if fut is None:
+                    log.exception("engine command failed")
+                else:
+                    self._loop.call_soon_threadsafe(_settle, fut, None, exc)
             else:
-                self._loop.call_soon_threadsafe(_settle, fut, result, None)
+                if fut is not None:
+                    self._loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    # -- output thread ---------------------------------------------------------------------
+
+    def _emit(self) -> None:
+        processor = self.engine.output_processor
+        while True:
+            item = self._outputs.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                processor.forget(item.request_ids)
+                sinks = [self._sinks.pop(rid, None) for rid in item.request_ids]
+                for sink in filter(None, sinks):
+                    self._loop.call_soon_threadsafe(sink.fail, item.exc)
+                self._loop.call_soon_threadsafe(self._fail_streams, item.exc)
+                continue
+            try:
+                outputs, stopped = processor.process(item)
+            except BaseException as exc:  # a bug in detokenization: fail those requests
+                log.exception("output processing failed")
+                self._command(lambda e, exc=exc: self._fail_all(exc))
+                continue
+            for request_id in stopped:
+                self._command(lambda e, rid=request_id: e.abort(rid))
+            if outputs and self._sinks:
+                outputs = self._to_sinks(outputs)
+            if outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _to_sinks(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """Engine thread: hand outputs with a sink to it, one flush per connection; return
+        """Output thread: hand outputs with a sink to it, one flush per connection; return
         the rest (for the event loop's queues)."""
         rest: list[StepOutput] = []
         touched: dict[int, Flushable] = {}
@@ -260,13 +334,13 @@ class AsyncEngine:
                 rest.append(out)
                 continue
             if out.finished:
-                del self._sinks[out.request_id]
+                self._sinks.pop(out.request_id, None)
             conn = sink.put(out)
             if conn is not None:  # None: held for the request's stream interval
                 touched[id(conn)] = conn
         for conn in touched.values():
             for request_id in conn.flush():
-                self._drop_sink(self.engine, request_id)
+                self._command(lambda e, rid=request_id: self._drop_sink(e, rid))
         return rest
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
@@ -276,17 +350,22 @@ class AsyncEngine:
                 q.put_nowait(out)
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Engine thread: abort every request; the output thread fails every stream, after
+        the outputs handed over before."""
         ids = list(self.engine.seqs)
         for rid in ids:
             self.engine.abort(rid)
-        sinks, self._sinks = list(self._sinks.values()), {}
-        for sink in sinks:  # the abort outputs are lost with the step: fail the sinks directly
-            self._loop.call_soon_threadsafe(sink.fail, exc)
-        self._loop.call_soon_threadsafe(self._fail_streams, exc)
+        self._outputs.put(_Failed(exc, ids))
 
     def _fail_streams(self, exc: BaseException) -> None:
         for q in self._streams.values():
             q.put_nowait(exc)
+
+
+def _thread_cpu_s(thread: threading.Thread | None) -> float:
+    if thread is None or thread.ident is None:
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

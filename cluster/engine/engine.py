@@ -19,9 +19,9 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.cuda_graphs import capture_decode_graphs
-from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.kv_cache import KVCache, KVExport, KVLayout, kv_pool_blocks
 from cluster.engine.model_runner import ModelRunner
+from cluster.engine.output_processor import OutputProcessor
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -80,7 +80,10 @@ class Engine:
                 self.device,
             )
         self.seqs: dict[str, Sequence] = {}
-        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # True: `step` returns text and applies stop strings itself. `AsyncEngine` turns it off
+        # before its first step and runs `output_processor` on a thread of its own.
+        self.detokenize_in_step = True
         self._pending: list[StepOutput] = []
         self.generated_tokens = 0
 
@@ -131,7 +134,7 @@ class Engine:
             raise NotFound(f"no KV import reserved for request {request_id!r}")
         seq.num_computed_tokens = seq.num_context_tokens
         self.scheduler.register_blocks(seq, 0)
-        self._admit(seq)
+        self._admit(seq, replay=(*seq.request.output_token_ids, first_token))
         self.scheduler.add_running(seq)
         # The prefill side already streamed this token and its text; only a finish is news.
         out = self._append(seq, first_token)
@@ -167,15 +170,15 @@ class Engine:
             self.info.eos_token_ids,
         )
 
-    def _admit(self, seq: Sequence) -> None:
+    def _admit(self, seq: Sequence, replay: tuple[int, ...] | None = None) -> None:
+        """`replay`: output tokens whose text was streamed already (default: a resumed
+        generation's)."""
         self.seqs[seq.request_id] = seq
-        if self.tokenizer is not None:
-            self.detok[seq.request_id] = IncrementalDetokenizer(
-                self.tokenizer,
-                seq.token_ids[: seq.num_prompt_tokens],
-                seq.params.stop,
-                resumed=seq.request.output_token_ids,
-            )
+        request = seq.request
+        replay = request.output_token_ids if replay is None else replay
+        self.output_processor.add(
+            request.request_id, request.prompt_token_ids, seq.params.stop, replay
+        )
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -193,18 +196,17 @@ class Engine:
             self.generated_tokens += len(sampling)
             for s, token, lp in zip(sampling, tokens, logprobs, strict=True):
                 outputs.append(self._append(s.seq, token, lp))
+        if not self.detokenize_in_step:
+            return outputs
+        outputs, stopped = self.output_processor.process(outputs)
+        for request_id in stopped:
+            self.abort(request_id)
         return outputs
 
     def _append(
         self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None
     ) -> StepOutput:
         reason = seq.append_token(token, self.max_model_len)
-        detok = self.detok.get(seq.request_id)
-        if detok is not None and detok.add(token) and reason in (None, "prefilled"):
-            reason = "stop"
-        # Text held back for a possible stop string stays held across the prefill->decode hop.
-        final = reason not in (None, "prefilled")
-        text = detok.take(final=final) if detok is not None else ""
         if reason is not None:
             self._finish(seq, reason)
         n_out = seq.num_output_tokens
@@ -215,12 +217,11 @@ class Engine:
         lps = () if logprobs is None else (logprobs,)
         rid, n_prompt = seq.request_id, seq.num_prompt_tokens
         # Positional: per sequence per step, keywords cost a frozen dataclass ~1 µs more.
-        return StepOutput(rid, (token,), text, reason, n_prompt, n_out, queued, cached, lps)
+        return StepOutput(rid, (token,), "", reason, n_prompt, n_out, queued, cached, lps)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)
         seq.finish_reason = reason
-        self.detok.pop(seq.request_id, None)
         if reason == "prefilled":
             seq.status = SequenceStatus.HELD
             return
@@ -238,7 +239,6 @@ class Engine:
             return False
         if seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
             self.scheduler.remove(seq)
-            self.detok.pop(request_id, None)
             n_prompt, n_out = seq.num_prompt_tokens, seq.num_output_tokens
             self._pending.append(StepOutput(request_id, (), "", "abort", n_prompt, n_out))
         self._free(seq)

@@ -108,7 +108,7 @@ class PoolMetrics:
 
     def observe(self, name: str, value: float, **tags: str) -> None:
         """One value of histogram `name`: batched (`histogram_recorder`) on an event loop,
-        recorded at once on any other thread (the engine thread's)."""
+        recorded at once on any other thread (the engine's and its output thread's)."""
         self._record(name, tags)(value)
 
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:

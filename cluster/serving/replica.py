@@ -59,10 +59,11 @@ class EngineReplica:
         self.config = config
         self.replica_id = replica_id()
         # Made and started on the engine cores: the engine thread and torch's threads inherit
-        # them; this (event loop) thread gets its own mask back.
+        # them; this (event loop) thread gets its own mask back, and starts the output thread.
         with engine_cores(pool_config.engine_cpus) as cores:
             self.engine = AsyncEngine(MeteredEngine(config.engine_config(pool)))
-            self.engine.start()
+            self.engine.start_engine_thread()
+        self.engine.start()
         if cores:
             log.info("%s engine thread pinned to cores %s", pool, format_cpu_list(cores))
         self.layout = self.engine.layout

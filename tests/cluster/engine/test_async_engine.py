@@ -1,4 +1,5 @@
-"""`AsyncEngine`: a caller cancelled while its request is being admitted leaves nothing behind.
+"""`AsyncEngine`: a caller cancelled while its request is being admitted leaves nothing behind;
+text and stop strings are made on the output thread, not the engine thread.
 
 Commands run on the engine thread whether or not their caller still waits, so a cancel that
 lands while the admit command is queued used to leave the request in the engine with nobody
@@ -7,11 +8,14 @@ reading it: a prefill-only prompt then stayed held for good."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from cluster.engine.async_engine import AsyncEngine
-from cluster.request import Request, StepOutput
+from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.request import Request, RequestOutput, StepOutput
+from tests.cluster.engine.test_output_processor import drive_requests, stop_requests
 from tests.conftest import greedy, prompt
 
 
@@ -79,6 +83,77 @@ def test_a_stream_whose_caller_is_cancelled_while_it_is_admitted_stops_at_once(
             await engine.stop()
 
     asyncio.run(main())
+
+
+class _Collector:
+    """A `StepSink` that gathers a request's outputs and is done after its last one."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.done = self.loop.create_future()
+        self.output: RequestOutput | None = None
+
+    def put(self, out: StepOutput) -> _Collector:
+        self.output = self.output or RequestOutput(out.request_id)
+        self.output.add(out)
+        if out.finished:
+            self.loop.call_soon_threadsafe(self.done.set_result, None)
+        return self
+
+    def flush(self) -> list[str]:
+        return []
+
+    def fail(self, exc: BaseException) -> None:
+        self.done.set_exception(exc)
+
+
+def test_text_and_stop_strings_are_made_on_the_output_thread(
+    tokenizer_model_dir, make_engine, monkeypatch
+):
+    """Streams (`generate`) and sinks (`stream_to`) get the text and finish reasons of an
+    engine that detokenizes in its step; every token is detokenized on the output thread, and
+    the requests that stop strings ended leave no block behind."""
+    requests = stop_requests(make_engine(tokenizer_model_dir, block_size=4))
+    want = drive_requests(make_engine(tokenizer_model_dir, block_size=4), requests)
+    threads: set[str] = set()
+    add = IncrementalDetokenizer.add
+
+    def recorded_add(self, token_id: int) -> bool:
+        threads.add(threading.current_thread().name)
+        return add(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add", recorded_add)
+    engine = AsyncEngine(make_engine(tokenizer_model_dir, block_size=4))
+
+    async def streamed(request: Request) -> RequestOutput:
+        result = RequestOutput(request.request_id)
+        async for out in await engine.generate(request):
+            result.add(out)
+        return result
+
+    async def sunk(request: Request) -> RequestOutput:
+        sink = _Collector()
+        await engine.stream_to(request.request_id, lambda e: e.add_request(request), sink)
+        return sink.output
+
+    async def main() -> list[RequestOutput]:
+        engine.start()
+        try:
+            calls = [streamed(r) if i % 2 else sunk(r) for i, r in enumerate(requests)]
+            got = await asyncio.gather(*calls)
+            assert await _emptied(engine)
+            return got
+        finally:
+            await engine.stop()
+
+    for request, out in zip(requests, asyncio.run(main()), strict=True):
+        w = want[request.request_id]
+        assert (out.token_ids, out.text, out.finish_reason) == (
+            w.token_ids,
+            w.text,
+            w.finish_reason,
+        ), request.request_id
+    assert threads == {"pdserve-output"}
 
 
 async def _cancel_after(call: asyncio.Future, loop_turns: int) -> None:

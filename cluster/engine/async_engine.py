@@ -106,6 +106,12 @@ class AsyncEngine:
         """The engine thread's OS thread id (0 before it started)."""
         return (self._thread.native_id or 0) if self._thread is not None else 0
 
+    @property
+    def output_native_id(self) -> int:
+        """The output thread's OS thread id (0 before it started)."""
+        thread = self._output_thread
+        return (thread.native_id or 0) if thread is not None else 0
+
     def cpu_seconds(self) -> tuple[float, float]:
         """(all, inside `Engine.step`) CPU seconds of the engine thread since it started; the
         difference is the loop's own work (commands, handing outputs over)."""
@@ -116,7 +122,9 @@ class AsyncEngine:
         return _thread_cpu_s(self._output_thread)
 
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Both threads run (an engine whose output thread died would serve no more text)."""
+        threads = (self._thread, self._output_thread)
+        return all(t is not None and t.is_alive() for t in threads)
 
     # -- from any thread, without waiting for a step ---------------------------------------
 

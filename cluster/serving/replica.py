@@ -103,18 +103,19 @@ class EngineReplica:
         }
 
     async def cpu_affinity(self) -> dict[str, list[int]]:
-        """The cores the engine thread and this replica's other threads may run on: an
-        operator's check, through a Serve handle, of where `PoolConfig.engine_cpus` put them
-        (the benchmarks' timing probes live in `benchmarks/probed_replicas.py`)."""
+        """The cores the engine thread, its output thread and this replica's other threads may
+        run on: an operator's check, through a Serve handle, of where `PoolConfig.engine_cpus`
+        put them (the benchmarks' timing probes live in `benchmarks/probed_replicas.py`)."""
         return {
             "engine": list(thread_cpus(self.engine.native_id)),
+            "output": list(thread_cpus(self.engine.output_native_id)),
             "replica": list(thread_cpus(threading.get_native_id())),
         }
 
     async def check_health(self) -> None:
-        """Serve's health probe: the engine thread must be alive."""
+        """Serve's health probe: the engine thread and its output thread must be alive."""
         if not self.engine.alive():
-            raise RuntimeError("engine thread is not running")
+            raise RuntimeError("engine thread or output thread is not running")
 
     async def _report_loop(self) -> None:
         while True:

@@ -248,6 +248,7 @@ def test_the_colocated_engine_thread_runs_on_its_configured_core_only(apps):
     assert got["engine"] == list(ENGINE_CORE)
     if len(os.sched_getaffinity(0)) > 1:  # the replica's own threads were not pinned with it
         assert set(got["replica"]) > set(ENGINE_CORE)
+    assert got["output"] == got["replica"]  # text is made beside the engine, not on its core
     pd = serve.get_deployment_handle("Decode", app_name=PD).cpu_affinity.remote().result()
     assert pd["engine"] == pd["replica"]  # no engine_cpus: the engine thread is not pinned
 

@@ -170,3 +170,20 @@ async def _emptied(engine: AsyncEngine) -> bool:
             return True
         await asyncio.sleep(0.02)
     return False
+
+
+def test_alive_needs_both_the_engine_and_the_output_thread(model_dir, make_engine):
+    """Serve's health check asks `alive`: an engine without its output thread serves no text."""
+    engine = AsyncEngine(make_engine(model_dir("llama-gqa")))
+
+    async def main() -> list[bool]:
+        seen = [engine.alive()]
+        engine.start_engine_thread()
+        seen.append(engine.alive())
+        engine.start()
+        seen.append(engine.alive())
+        assert engine.output_native_id not in (0, engine.native_id)
+        await engine.stop()
+        return [*seen, engine.alive()]
+
+    assert asyncio.run(main()) == [False, False, True, False]

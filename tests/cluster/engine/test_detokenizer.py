@@ -109,6 +109,55 @@ def test_window_decoder_keeps_transformers_cleanup(tokenizer_model_dir):
     assert window_decoder(cleaning) == cleaning.decode
 
 
+def _windows_only(detok: IncrementalDetokenizer) -> IncrementalDetokenizer:
+    detok.stream = None  # as for a tokenizer whose decode transformers extends
+    return detok
+
+
+def test_the_backend_stream_gives_the_text_of_windows(tokenizer):
+    """Random output ids (special tokens, partial characters) after random prompts whose text
+    is whole: the backend's `DecodeStream` and the Python windows stream the same deltas, with
+    and without a stop string."""
+    rng = random.Random(0)
+    decode = tokenizer.backend_tokenizer.decode
+    compared = 0
+    for _ in range(400):
+        context = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 8))]
+        if decode(context[-6:], skip_special_tokens=True).endswith(REPLACEMENT):
+            continue
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 24))]
+        stop = (decode(ids[3:5]),) if len(ids) > 6 and rng.random() < 0.3 else ()
+        stream = IncrementalDetokenizer(tokenizer, context, stop)
+        assert stream.stream is not None
+        windows = _windows_only(IncrementalDetokenizer(tokenizer, context, stop))
+        assert _stream(stream, ids) == _stream(windows, ids), (context, ids, stop)
+        compared += 1
+    assert compared > 300
+
+
+def test_a_prompt_ending_mid_character_is_never_emitted(tokenizer):
+    """Prompt ids that stop inside a character: none of the prompt's text comes out."""
+    ids = _encode(tokenizer, "abc你")
+    prompt_ids = ids[:-1]
+    assert tokenizer.decode(prompt_ids).endswith(REPLACEMENT)  # the premise
+    deltas, _ = _stream(IncrementalDetokenizer(tokenizer, prompt_ids), _encode(tokenizer, " ok"))
+    assert "abc" not in "".join(deltas) and "".join(deltas).endswith(" ok")
+
+
+def test_a_stream_that_fails_goes_on_in_windows(tokenizer):
+    class Failing:
+        def step(self, *_):
+            raise Exception("InvalidPrefix")
+
+    ids = _encode(tokenizer, " hello world, the quick brown fox")
+    detok = IncrementalDetokenizer(tokenizer, _encode(tokenizer, "Say:"))
+    head, _ = _stream(detok, ids[:3])
+    detok.stream = Failing()
+    tail, _ = _stream(detok, ids[3:])
+    assert detok.stream is None
+    assert "".join(head + tail) == tokenizer.decode(ids)
+
+
 # -- through the engine -------------------------------------------------------------------
 
 

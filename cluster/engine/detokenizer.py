@@ -54,9 +54,8 @@ class IncrementalDetokenizer:
     ) -> None:
         """`resumed`: output tokens already decoded (and their text streamed) elsewhere; they
         are replayed, so text held back for a stop string there stays held here."""
-        self.tokenizer = tokenizer
         self.backend = plain_backend(tokenizer)
-        self.decode = window_decoder(tokenizer)
+        self.decode = tokenizer.decode if self.backend is None else self.backend.decode
         self.tokens = list(prompt_token_ids[-_CONTEXT:])  # context for spacing, never emitted
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)

@@ -7,7 +7,9 @@ thread, which makes them text (detokenization and stop strings, `OutputProcessor
 engine runs the next step, and hands them back to the event loop, one queue per request, or,
 for a request admitted with `stream_to`, to its sink on the output thread itself (no event loop
 wake-up per step; see decode_worker/token_sender.py). A stop string found there aborts the
-request on the engine thread; the tokens it sampled meanwhile are dropped.
+request on the engine thread; the tokens it sampled meanwhile are dropped. Without an output
+thread (`output_thread=False`, the serving default on a CPU, where both threads would want the
+same cores and the GIL) the engine thread does that work itself after each step.
 """
 
 from __future__ import annotations
@@ -62,9 +64,12 @@ _END = object()  # output queue item: the engine thread has stopped
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, output_thread: bool = True) -> None:
+        """`output_thread` False: the engine thread does the output thread's work after
+        each step (nothing overlaps, nothing contends for the GIL)."""
         self.engine = engine
-        engine.detokenize_in_step = False  # `engine.output_processor` runs on the output thread
+        engine.detokenize_in_step = False  # `engine.output_processor` runs in `_handle`
+        self.separate_output = output_thread
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future | None]] = (
             queue.SimpleQueue()
         )
@@ -86,7 +91,7 @@ class AsyncEngine:
         outputs. Each thread keeps the CPU mask of the thread that started it: see
         `start_engine_thread`."""
         self.start_engine_thread()
-        if self._output_thread is None:
+        if self._output_thread is None and self.separate_output:
             self._output_thread = threading.Thread(
                 target=self._emit, name="pdserve-output", daemon=True
             )
@@ -123,7 +128,7 @@ class AsyncEngine:
 
     def alive(self) -> bool:
         """Both threads run (an engine whose output thread died would serve no more text)."""
-        threads = (self._thread, self._output_thread)
+        threads = (self._thread, self._output_thread) if self.separate_output else (self._thread,)
         return all(t is not None and t.is_alive() for t in threads)
 
     # -- from any thread, without waiting for a step ---------------------------------------
@@ -284,7 +289,14 @@ class AsyncEngine:
                 self.step_cpu_s += time.thread_time() - began
             self.step_count += 1
             if outputs:
-                self._outputs.put(outputs)
+                self._deliver(outputs)
+
+    def _deliver(self, item: list[StepOutput] | _Failed) -> None:
+        """Engine thread: outputs (or a failure) to the output thread, or handled here."""
+        if self.separate_output:
+            self._outputs.put(item)
+        else:
+            self._handle(item)
 
     def _run_commands(self) -> None:
         while True:
@@ -306,30 +318,31 @@ class AsyncEngine:
     # -- output thread ---------------------------------------------------------------------
 
     def _emit(self) -> None:
+        while (item := self._outputs.get()) is not _END:
+            self._handle(item)
+
+    def _handle(self, item: list[StepOutput] | _Failed) -> None:
+        """Output thread (or the engine thread, without one): text, stop strings, sinks."""
         processor = self.engine.output_processor
-        while True:
-            item = self._outputs.get()
-            if item is _END:
-                return
-            if isinstance(item, _Failed):
-                processor.forget(item.request_ids)
-                sinks = [self._sinks.pop(rid, None) for rid in item.request_ids]
-                for sink in filter(None, sinks):
-                    self._loop.call_soon_threadsafe(sink.fail, item.exc)
-                self._loop.call_soon_threadsafe(self._fail_streams, item.exc)
-                continue
-            try:
-                outputs, stopped = processor.process(item)
-            except BaseException as exc:  # a bug in detokenization: fail those requests
-                log.exception("output processing failed")
-                self._command(lambda e, exc=exc: self._fail_all(exc))
-                continue
-            for request_id in stopped:
-                self._command(lambda e, rid=request_id: e.abort(rid))
-            if outputs and self._sinks:
-                outputs = self._to_sinks(outputs)
-            if outputs:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        if isinstance(item, _Failed):
+            processor.forget(item.request_ids)
+            sinks = [self._sinks.pop(rid, None) for rid in item.request_ids]
+            for sink in filter(None, sinks):
+                self._loop.call_soon_threadsafe(sink.fail, item.exc)
+            self._loop.call_soon_threadsafe(self._fail_streams, item.exc)
+            return
+        try:
+            outputs, stopped = processor.process(item)
+        except BaseException as exc:  # a bug in detokenization: fail those requests
+            log.exception("output processing failed")
+            self._command(lambda e, exc=exc: self._fail_all(exc))
+            return
+        for request_id in stopped:
+            self._command(lambda e, rid=request_id: e.abort(rid))
+        if outputs and self._sinks:
+            outputs = self._to_sinks(outputs)
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _to_sinks(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """Output thread: hand outputs with a sink to it, one flush per connection; return
@@ -363,7 +376,7 @@ class AsyncEngine:
         ids = list(self.engine.seqs)
         for rid in ids:
             self.engine.abort(rid)
-        self._outputs.put(_Failed(exc, ids))
+        self._deliver(_Failed(exc, ids))
 
     def _fail_streams(self, exc: BaseException) -> None:
         for q in self._streams.values():

@@ -75,6 +75,12 @@ class PoolConfig:
     # cluster/serving/cpu_affinity.py). Pinning alone, nothing reserved, already keeps a decode
     # step as fast served as alone on 2 cores (benchmarks/README.md, capacity).
     engine_cpus: CpuList = ()
+    # Engine pools: make each step's text (detokenization, stop strings) and feed the token
+    # streams on a thread of the replica's own while the engine runs the next step (True), or
+    # on the engine thread after its step (False). None: on a GPU only, where the engine
+    # thread's host time is the step's; on a CPU both threads want the same cores and the GIL
+    # (benchmarks/README.md, capacity; cluster/engine/async_engine.py).
+    output_thread: bool | None = None
     # Requests one replica works on at once; 0 = what it can really hold (its max_num_seqs).
     max_ongoing_requests: int = 0
     # Requests waiting for a replica beyond that; more are refused at once. 0 = 4x ongoing.

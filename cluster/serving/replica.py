@@ -61,7 +61,11 @@ class EngineReplica:
         # Made and started on the engine cores: the engine thread and torch's threads inherit
         # them; this (event loop) thread gets its own mask back, and starts the output thread.
         with engine_cores(pool_config.engine_cpus) as cores:
-            self.engine = AsyncEngine(MeteredEngine(config.engine_config(pool)))
+            engine = MeteredEngine(config.engine_config(pool))
+            separate = pool_config.output_thread
+            if separate is None:
+                separate = engine.device.type == "cuda"
+            self.engine = AsyncEngine(engine, output_thread=separate)
             self.engine.start_engine_thread()
         self.engine.start()
         if cores:
@@ -106,14 +110,16 @@ class EngineReplica:
         """The cores the engine thread, its output thread and this replica's other threads may
         run on: an operator's check, through a Serve handle, of where `PoolConfig.engine_cpus`
         put them (the benchmarks' timing probes live in `benchmarks/probed_replicas.py`)."""
+        output = self.engine.output_native_id  # 0: the pool runs without an output thread
         return {
             "engine": list(thread_cpus(self.engine.native_id)),
-            "output": list(thread_cpus(self.engine.output_native_id)),
+            "output": list(thread_cpus(output)) if output else [],
             "replica": list(thread_cpus(threading.get_native_id())),
         }
 
     async def check_health(self) -> None:
-        """Serve's health probe: the engine thread and its output thread must be alive."""
+        """Serve's health probe: the engine thread and its output thread (if any) must be
+        alive."""
         if not self.engine.alive():
             raise RuntimeError("engine thread or output thread is not running")
 

@@ -23,12 +23,14 @@ def apps(ray_serve, tokenizer_model_dir):
     from cluster.config import TransferConfig
 
     base = small_app_config(str(tokenizer_model_dir))
-    two = replace(base.prefill, replicas=2)
+    # The disaggregated app runs its engines with output threads, as on a GPU; the colocated
+    # one takes the CPU's default (text on the engine thread, after the step).
+    two = replace(base.prefill, replicas=2, output_thread=True)
     deploy(
         replace(
             base,
             prefill=two,
-            decode=replace(base.decode, replicas=2),
+            decode=replace(base.decode, replicas=2, output_thread=True),
             transfer=TransferConfig(lease_seconds=PD_LEASE_SECONDS),
         ),
         PD,

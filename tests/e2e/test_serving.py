@@ -242,15 +242,17 @@ def _prefix_routing(metrics_port: int, app: str) -> dict[str, float]:
 
 
 def test_the_colocated_engine_thread_runs_on_its_configured_core_only(apps):
+    """And the output thread, where a pool has one, on the replica's cores."""
     from ray import serve
 
     got = serve.get_deployment_handle("Colocated", app_name=CO).cpu_affinity.remote().result()
     assert got["engine"] == list(ENGINE_CORE)
     if len(os.sched_getaffinity(0)) > 1:  # the replica's own threads were not pinned with it
         assert set(got["replica"]) > set(ENGINE_CORE)
-    assert got["output"] == got["replica"]  # text is made beside the engine, not on its core
+    assert got["output"] == []  # on a CPU the engine thread makes the text itself
     pd = serve.get_deployment_handle("Decode", app_name=PD).cpu_affinity.remote().result()
     assert pd["engine"] == pd["replica"]  # no engine_cpus: the engine thread is not pinned
+    assert pd["output"] == pd["replica"]  # output_thread on: beside the engine
 
 
 def test_every_replica_runs_at_the_nice_value_of_a_normal_process(apps):

@@ -107,12 +107,16 @@ class _Collector:
         self.done.set_exception(exc)
 
 
+@pytest.mark.parametrize(
+    "output_thread, made_on", [(True, "pdserve-output"), (False, "pdserve-engine")]
+)
 def test_text_and_stop_strings_are_made_on_the_output_thread(
-    tokenizer_model_dir, make_engine, monkeypatch
+    tokenizer_model_dir, make_engine, monkeypatch, output_thread, made_on
 ):
     """Streams (`generate`) and sinks (`stream_to`) get the text and finish reasons of an
-    engine that detokenizes in its step; every token is detokenized on the output thread, and
-    the requests that stop strings ended leave no block behind."""
+    engine that detokenizes in its step; every token is detokenized on the output thread (or,
+    without one, on the engine thread after its step), and the requests that stop strings
+    ended leave no block behind."""
     requests = stop_requests(make_engine(tokenizer_model_dir, block_size=4))
     want = drive_requests(make_engine(tokenizer_model_dir, block_size=4), requests)
     threads: set[str] = set()
@@ -123,7 +127,7 @@ def test_text_and_stop_strings_are_made_on_the_output_thread(
         return add(self, token_id)
 
     monkeypatch.setattr(IncrementalDetokenizer, "add", recorded_add)
-    engine = AsyncEngine(make_engine(tokenizer_model_dir, block_size=4))
+    engine = AsyncEngine(make_engine(tokenizer_model_dir, block_size=4), output_thread)
 
     async def streamed(request: Request) -> RequestOutput:
         result = RequestOutput(request.request_id)
@@ -153,7 +157,7 @@ def test_text_and_stop_strings_are_made_on_the_output_thread(
             w.text,
             w.finish_reason,
         ), request.request_id
-    assert threads == {"pdserve-output"}
+    assert threads == {made_on}
 
 
 async def _cancel_after(call: asyncio.Future, loop_turns: int) -> None:
@@ -187,3 +191,17 @@ def test_alive_needs_both_the_engine_and_the_output_thread(model_dir, make_engin
         return [*seen, engine.alive()]
 
     assert asyncio.run(main()) == [False, False, True, False]
+
+
+def test_without_an_output_thread_the_engine_thread_alone_is_alive(model_dir, make_engine):
+    engine = AsyncEngine(make_engine(model_dir("llama-gqa")), output_thread=False)
+
+    async def main() -> list[bool]:
+        seen = [engine.alive()]
+        engine.start()
+        seen.append(engine.alive())
+        assert engine.output_native_id == 0
+        await engine.stop()
+        return [*seen, engine.alive()]
+
+    assert asyncio.run(main()) == [False, True, False]

@@ -128,3 +128,20 @@ def test_a_prefilled_first_token_that_completes_a_stop_string_frees_the_held_blo
             engine.abort(rid)
         assert engine.stats().kv_blocks_used == 0 and engine.stats().held == 0
         assert not engine.has_work()
+
+
+def test_inline_a_stop_string_ends_the_request_in_the_step_that_found_it(
+    tokenizer_model_dir, make_engine
+):
+    """Detokenizing in its step, the engine aborts a stopped request there and then: no later
+    step is left to run for it, and no block is left."""
+    engine = make_engine(tokenizer_model_dir, block_size=4)
+    stopping = stop_requests(engine)[1]
+    engine.add_request(stopping)
+    reasons = []
+    while not reasons or reasons[-1] is None:
+        (out,) = engine.step()
+        reasons.append(out.finish_reason)
+    assert reasons[-1] == "stop" and len(reasons) < stopping.params.max_tokens
+    assert not engine.has_work()
+    assert engine.stats().kv_blocks_used == 0

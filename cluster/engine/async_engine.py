@@ -127,7 +127,8 @@ class AsyncEngine:
         return _thread_cpu_s(self._output_thread)
 
     def alive(self) -> bool:
-        """Both threads run (an engine whose output thread died would serve no more text)."""
+        """The engine thread runs, and the output thread where there is one (an engine whose
+        output thread died would serve no more text)."""
         threads = (self._thread, self._output_thread) if self.separate_output else (self._thread,)
         return all(t is not None and t.is_alive() for t in threads)
 

@@ -113,6 +113,13 @@ class PoolConfig:
     def ongoing_limit(self) -> int:
         return self.max_ongoing_requests or self.scheduler.max_num_seqs
 
+    def output_thread_on(self, device: str) -> bool:
+        """Whether this pool's engine replicas on `device` ("cpu", "cuda:0") run an output
+        thread: `output_thread` if set, else only on a GPU."""
+        if self.output_thread is not None:
+            return self.output_thread
+        return device.startswith("cuda")
+
     @property
     def queued_limit(self) -> int:
         return self.max_queued_requests or 4 * self.ongoing_limit

@@ -62,9 +62,7 @@ class EngineReplica:
         # them; this (event loop) thread gets its own mask back, and starts the output thread.
         with engine_cores(pool_config.engine_cpus) as cores:
             engine = MeteredEngine(config.engine_config(pool))
-            separate = pool_config.output_thread
-            if separate is None:
-                separate = engine.device.type == "cuda"
+            separate = pool_config.output_thread_on(str(engine.device))
             self.engine = AsyncEngine(engine, output_thread=separate)
             self.engine.start_engine_thread()
         self.engine.start()

@@ -199,11 +199,9 @@ class Engine:
         if not self.detokenize_in_step:
             return outputs
         outputs, stopped = self.output_processor.process(outputs)
-        if stopped:  # the aborts' own outputs would only be dropped by the processor next step
-            for request_id in stopped:
-                self.abort(request_id)
-            self._pending = [out for out in self._pending if out.request_id not in stopped]
-            self.output_processor.forget(stopped)
+        for request_id in stopped:  # ended by a stop string: finished here, nothing pending
+            self._finish(self.seqs[request_id], "stop")
+        self.output_processor.forget(stopped)
         return outputs
 
     def _append(

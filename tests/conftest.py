@@ -40,7 +40,14 @@ from cluster.sampling_params import SamplingParams
 
 # The models are tiny: with more than one thread, thread synchronisation costs more than it
 # saves, and far more on a loaded machine.
-pytest_plugins = ["tests.ray_fixtures"]  # one Ray + Serve per session, started lazily
+# One Ray + Serve per session, started lazily. A machine without Ray Serve (the lent GPU machine,
+# which runs only the `gpu`-marked engine tests) gets no Ray fixtures rather than no tests.
+try:
+    import ray.serve  # noqa: F401  (the fixtures import it anyway)
+except ImportError:
+    pytest_plugins = []
+else:
+    pytest_plugins = ["tests.ray_fixtures"]
 
 torch.set_num_threads(1)
 

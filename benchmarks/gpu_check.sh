@@ -39,10 +39,10 @@
 # On 2026-11-30 (eager decode) the tests took 11 s, the engine benchmarks 133 + 21 s (four
 # batches in bf16, two in fp32) and serving-gpu 83 s (then with the colocated app).
 #
-# Runs from a checkout without installing pdserve (PYTHONPATH), against whatever torch,
-# transformers, grpcio, msgpack and pytest the machine has. If $PDSERVE_SITE_BUNDLE names a
-# tar.xz of site-packages (Ray Serve for a machine without it; how to build one:
-# benchmarks/gpu_site_bundle.md), it is unpacked and put on PYTHONPATH.
+# Runs from a checkout without installing pdserve (PYTHONPATH), against the torch, transformers,
+# msgpack and pytest the machine has, plus what the site bundle brings (pydantic, grpcio and
+# protobuf; Ray Serve for the serving stages): build it here with
+# `bash benchmarks/gpu_site_bundle.sh [--serve]` and name .devbundle in the device call's carry.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -77,14 +77,28 @@ torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__ve
 "grpcio", grpc.__version__, "gpus", torch.cuda.device_count())'
 } 2>&1 | tee "$OUT/machine.txt"
 
-# A machine without Ray: $PDSERVE_SITE_BUNDLE may name a tar.xz of site-packages (Ray Serve and
-# its dependencies; grpcio and protobuf of the versions pdserve is developed with in _fallback/).
-if [ -f "${PDSERVE_SITE_BUNDLE:-}" ]; then
+# The lent machine's image lacks pydantic and Ray and has an older grpcio: $PDSERVE_SITE_BUNDLE
+# (default .devbundle/site.tar.xz, made by benchmarks/gpu_site_bundle.sh) is a tar.xz of
+# site-packages (pydantic, Ray Serve with --serve; grpcio and protobuf in _fallback/).
+PDSERVE_SITE_BUNDLE=${PDSERVE_SITE_BUNDLE:-$PWD/.devbundle/site.tar.xz}
+if [ -f "$PDSERVE_SITE_BUNDLE" ]; then
     site=/tmp/pdserve-site
     mkdir -p $site && tar -xJf "$PDSERVE_SITE_BUNDLE" -C $site &&
         export PYTHONPATH=$PWD:$site/_fallback:$site:${PYTHONPATH#"$PWD:"}
     "$PY" -c 'import ray, grpc, google.protobuf as p; print("ray", ray.__version__, "grpcio",
 grpc.__version__, "protobuf", p.__version__)' 2>&1 | tee -a "$OUT/machine.txt"
+fi
+
+# Every stage imports the engine and the generated gRPC code: if they do not import (no bundle,
+# or one made for another Python), no stage is run, and the log says why in seconds.
+if ! "$PY" -c 'import cluster.config, cluster.pb.pdserve.v1.generation_pb2, benchmarks.engine_bench' \
+    >"$OUT/preflight.log" 2>&1; then
+    tail -n 3 "$OUT/preflight.log"
+    echo "== preflight failed: the engine does not import here; build the bundle with" \
+        "benchmarks/gpu_site_bundle.sh (PYVER = this python's version), carry .devbundle" |
+        tee -a "$OUT/preflight.log"
+    STAGES=""
+    failed=1
 fi
 
 # The ini's warning filters name pydantic, which a machine without Ray may lack.

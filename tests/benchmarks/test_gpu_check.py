@@ -49,3 +49,29 @@ def test_the_gpu_tests_collect_on_a_machine_without_ray(tmp_path: Path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "test_cuda_graphs.py" in r.stdout and " collected" in r.stdout, r.stdout
     assert "ray" not in r.stderr.lower(), r.stderr
+
+
+def test_without_pydantic_gpu_check_stops_at_its_preflight_and_says_why(tmp_path: Path):
+    env = without(tmp_path, "pydantic")
+    out = tmp_path / "out"
+    env.update(
+        OUT=str(out),
+        PYTHON=sys.executable,
+        PDSERVE_SITE_BUNDLE=str(tmp_path / "no-bundle.tar.xz"),
+        GPU_CHECK_STAGES="tests engine",
+    )
+    r = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "== preflight failed" in r.stdout and "gpu_site_bundle.sh" in r.stdout, r.stdout
+    assert "== tests" not in r.stdout and "== engine" not in r.stdout, r.stdout
+    assert not (out / "tests.xml").exists() and not (out / "engine.json").exists()
+    report = (out / "README.md").read_text()
+    assert "No module named 'pydantic'" in report and "preflight failed" in report, report
+    assert "| not measured |" in report, report

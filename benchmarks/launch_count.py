@@ -44,8 +44,16 @@ class LaunchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not self.in_triton and not func.is_view and name not in _FREE:
+            if name.startswith("index") and _boolean_index(args):
+                name += "[bool]"  # a mask's result size is read back from the device: a sync
             self.ops[f"aten.{name}"] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _boolean_index(args: tuple) -> bool:
+    """Whether an aten.index / index_put call indexes by a boolean mask."""
+    indices = args[1] if len(args) > 1 and isinstance(args[1], list | tuple) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
 @contextmanager

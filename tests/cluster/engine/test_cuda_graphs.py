@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from benchmarks.launch_count import counting
 from cluster.engine.cuda_graphs import capture_decode_graphs, capture_sizes, replay_by_calling
 from cluster.engine.engine import Engine
 from cluster.model.triton_attention import TritonAttention
@@ -163,6 +164,59 @@ def check_padding_stays_in_scratch(engine: Engine, replays: Replays) -> None:
 def test_padding_rows_write_only_the_scratch_block(model_dir, make_engine):
     engine = make_engine(model_dir("llama-gqa"), **SETTINGS)
     check_padding_stays_in_scratch(engine, on_the_cpu_with_graphs(engine))
+
+
+# What a CUDA graph capture refuses, seen on the CPU by the ops a step dispatches: an op that
+# reads a device value back to the host (a sync: an error while capturing). Python-side reads
+# (`tolist`, `numpy`) dispatch nothing and are not seen.
+HOST_SYNCS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal"}
+HOST_SYNCS |= {"aten.allclose", "aten.nonzero", "aten.masked_select", "aten.repeat_interleave"}
+HOST_SYNCS |= {"aten.unique", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim"}
+HOST_SYNCS |= {"aten.index[bool]", "aten.index_put[bool]", "aten.index_put_[bool]"}
+
+
+def dispatched(run) -> set[str]:
+    """The torch ops and Triton kernels `run()` dispatches (not those inside a Triton kernel)."""
+    with counting() as counter:
+        run()
+    return set(counter.ops)
+
+
+def test_the_host_sync_check_sees_syncs():
+    x = torch.tensor([0.0, 1.0, 2.0])
+    assert dispatched(lambda: x.nonzero()) & HOST_SYNCS == {"aten.nonzero"}
+    assert dispatched(lambda: x[x > 0]) & HOST_SYNCS == {"aten.index[bool]"}
+    assert dispatched(lambda: x.max().item()) & HOST_SYNCS == {"aten._local_scalar_dense"}
+    i = torch.tensor([0, 2])
+    assert not dispatched(lambda: x[i].sum()) & HOST_SYNCS  # a gather by index does not sync
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_captured_decode_step_never_waits_on_the_device(arch, model_dir, make_engine):
+    """Every bucket's step, as `capture_decode_graphs` hands it to a capture, runs the GPU's
+    path (fused Triton kernels, plain GEMMs) and nothing in HOST_SYNCS."""
+    engine = make_engine(model_dir(arch), packed_weights=False, **SETTINGS)
+    runner, seen = engine.runner, []
+
+    def checked(step):
+        step()  # the warm-up a capture runs first
+        seen.append(dispatched(step))
+        return step
+
+    runner.varlen_attention = TritonAttention(runner.sliding_window)
+    capture_decode_graphs(
+        runner.model,
+        engine.kv_cache,
+        runner.varlen_attention,
+        MAX_SEQS,
+        engine.max_model_len,
+        engine.device,
+        capture=checked,
+    )
+    assert len(seen) == len(capture_sizes(MAX_SEQS))
+    for ops in seen:
+        assert {"triton.paged_attention", "triton.rope_store", "aten.linear"} <= ops, ops
+        assert not ops & HOST_SYNCS, ops & HOST_SYNCS
 
 
 # -- real CUDA graphs ------------------------------------------------------------------------

@@ -56,6 +56,15 @@ def _boolean_index(args: tuple) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
+# Ops that read a device value back to the host: on a GPU a sync (and an error while a CUDA
+# graph captures). Seen on any device by what a step dispatches (`dispatched`); Python-side
+# reads (`tolist`, `numpy`) dispatch nothing and are not seen.
+HOST_SYNCS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal"}
+HOST_SYNCS |= {"aten.allclose", "aten.nonzero", "aten.masked_select", "aten.repeat_interleave"}
+HOST_SYNCS |= {"aten.unique", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim"}
+HOST_SYNCS |= {"aten.index[bool]", "aten.index_put[bool]", "aten.index_put_[bool]"}
+
+
 @contextmanager
 def counting():
     """Count torch ops and Triton launches (not the torch ops the interpreter runs inside one)."""
@@ -80,6 +89,13 @@ def counting():
             yield counter
     finally:
         KernelInterface.__getitem__ = getitem
+
+
+def dispatched(run) -> set[str]:
+    """The torch ops and Triton kernels `run()` dispatches (not those inside a Triton kernel)."""
+    with counting() as counter:
+        run()
+    return set(counter.ops)
 
 
 def decode_batch(preset: str, batch: int) -> tuple[Engine, object]:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cluster.model.triton_attention import upload
 from cluster.sampling_params import SamplingParams
 
 
@@ -71,8 +72,8 @@ def _positions(
 
 
 def _long(values: list, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=like.device)
+    return upload(values, torch.long, like.device)
 
 
 def _float(values: list, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=like.device)
+    return upload(values, torch.float32, like.device)

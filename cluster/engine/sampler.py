@@ -2,19 +2,26 @@
 then greedy, or temperature, top-k, top-p and min-p (transformers' warper order) and a draw.
 Rows that adjust nothing take the plain path: one argmax over the batch.
 
-Reproducibility: the random draw for a sequence's output position `i` comes from a generator
-seeded with `mix(seed, i)`, and tokens are picked with the exponential race
-(argmax of p / Exp(1) noise, equivalent to sampling from p). So a seeded request yields the
-same tokens whatever else shares the batch and whichever worker runs the step.
+Every sampled row of a step is filtered and drawn at once, on the logits' device, and the
+step's tokens come back to the host in one copy: on a GPU a batch of sampled rows costs a
+fixed few dozen kernels and one sync, not a host round trip per row.
+
+Reproducibility: the draw for a sequence's output position `i` is inverse-CDF sampling with
+one uniform number, made on the host from `mix_seed(seed, i)`: the first token whose running
+(float64) sum of the filtered probabilities passes that fraction of their total. Each row's
+filters and sum read that row alone, so a seeded request yields the same tokens whatever else
+shares the batch and whichever worker runs the step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from cluster.engine.penalties import apply_penalties
+from cluster.model.triton_attention import upload
 from cluster.request import TokenLogprobs
 from cluster.sampling_params import SamplingParams
 
@@ -22,7 +29,8 @@ _MASK64 = (1 << 64) - 1
 
 
 def mix_seed(seed: int, position: int) -> int:
-    """SplitMix64 of (seed, position): decorrelated generator seeds per output position."""
+    """SplitMix64 of (seed, position): a decorrelated 63-bit number per output position, the
+    source of that position's draw (`uniform`)."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -39,7 +47,7 @@ class Sampler:
         histories: Sequence[Sequence[int]] = (),  # each row's tokens; read only for penalties
     ) -> list[int]:
         """The token each row picks. `logits` is left as it is (logprobs read it raw)."""
-        tokens = logits.max(dim=-1).indices.tolist()  # argmax; max() is the faster kernel
+        tokens = logits.max(dim=-1).indices  # argmax; max() is the faster kernel
         adjusted: list[int] = []
         sampled: list[int] = []
         for row, p in enumerate(params):  # one pass: this is per step, per row
@@ -47,22 +55,29 @@ class Sampler:
                 adjusted.append(row)
             if not p.greedy:
                 sampled.append(row)
-        rows: dict[int, torch.Tensor] = {}  # the adjusted rows, [vocab] each
         if adjusted:
-            index = torch.tensor(adjusted, device=logits.device)
+            index = _long(adjusted, logits)
             sub = apply_penalties(
                 logits.index_select(0, index).float(),
                 [params[r] for r in adjusted],
                 [histories[r] for r in adjusted],
                 [positions[r] for r in adjusted],
             )
-            for r, token in zip(adjusted, sub.max(dim=-1).indices.tolist(), strict=True):
-                tokens[r] = token
-            rows = dict(zip(adjusted, sub, strict=True))
-        for r in sampled:
-            row_logits = rows[r] if r in rows else logits[r]
-            tokens[r] = self._sample_row(row_logits, params[r], mix_seed(seeds[r], positions[r]))
-        return tokens
+            tokens = tokens.index_copy(0, index, sub.max(dim=-1).indices)
+        if sampled:
+            n = len(sampled)
+            u = [uniform(mix_seed(seeds[r], positions[r])) for r in sampled]
+            host = upload([*sampled, *u], torch.float64, logits.device)
+            index = host[:n].long()
+            rows = logits.index_select(0, index)  # raw, or adjusted where the row asks
+            if adjusted:
+                where = {r: i for i, r in enumerate(adjusted)}
+                both = [i for i, r in enumerate(sampled) if r in where]
+                picked = _long([where[sampled[i]] for i in both], logits)
+                rows.index_copy_(0, _long(both, logits), sub.index_select(0, picked))
+            probs = filtered_probs(rows, [params[r] for r in sampled])
+            tokens = tokens.index_copy(0, index, draw(probs, host[n:]))
+        return tokens.tolist()  # the step's one device-to-host copy
 
     def logprobs(
         self,
@@ -92,28 +107,51 @@ class Sampler:
             out[r] = TokenLogprobs(chosen[i], alts)
         return out
 
-    def _sample_row(self, logits: torch.Tensor, p: SamplingParams, seed: int) -> int:
-        probs = filtered_probs(logits, p)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=gen)
-        return int((probs.cpu() / noise).argmax())
 
-
-def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:  # [vocab]
-    """The distribution a sampled row draws from, not renormalised: temperature, then top-k,
-    top-p and min-p, in the order of transformers' warpers (zero: filtered out)."""
-    logits = logits.float() / p.temperature
-    if 0 < p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[R, vocab]: the distribution each row draws from, not renormalised: temperature, then
+    top-k, top-p and min-p, in the order of transformers' warpers (zero: filtered out). All
+    rows at once; a row's filter that is off (top-k 0, top-p 1, min-p 0) removes nothing."""
+    vocab = logits.shape[-1]
+    kth = [p.top_k - 1 if 0 < p.top_k < vocab else -1 for p in params]  # -1: no top-k
+    top_p = [p.top_p if p.top_p < 1.0 else math.inf for p in params]
+    knobs = [*(p.temperature for p in params), *kth, *top_p, *(p.min_p for p in params)]
+    temperature, cut_at, top_p_t, min_p = upload(knobs, torch.float64, logits.device).view(4, -1, 1)
+    logits = logits.float() / temperature.float()
+    if max(kth) >= 0:  # each row's k-th largest, from the batch's largest k
+        cut = logits.topk(max(kth) + 1, dim=-1).values.gather(1, cut_at.clamp(min=0).long())
+        logits = logits.masked_fill((logits < cut) & (cut_at >= 0), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
+    nucleus = [r for r, t in enumerate(top_p) if math.isfinite(t)]
+    if nucleus:  # the sort is the costly part: only the rows that use top-p
+        every = len(nucleus) == len(params)
+        index = None if every else _long(nucleus, logits)
+        sub, at = (probs, top_p_t) if every else (probs[index], top_p_t[index])
+        ranked_p, order = sub.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    if p.min_p > 0.0:
+        drop = ranked_p.cumsum(-1) - ranked_p >= at.float()
+        sub = sub.scatter(1, order, ranked_p.masked_fill(drop, 0.0))
+        probs = sub if every else probs.index_copy(0, index, sub)
+    if any(p.min_p > 0.0 for p in params):
         # Relative to the most likely token; as that one always survives top-k and top-p,
         # the unnormalised probabilities give the same cut as renormalised ones.
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        probs = probs.masked_fill(probs < min_p.float() * probs.amax(-1, keepdim=True), 0.0)
     return probs
+
+
+def uniform(seed: int) -> float:
+    """A number in [0, 1 - 2**-40] from a 63-bit seed (its top 40 bits): so far below 1 that
+    `u * total` stays under a float64 total."""
+    return (seed >> 23) / 2.0**40
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [R] token ids
+    """Row r's token: the first whose running sum of `probs[r]` (float64) passes `u[r]` (a
+    float64 in [0, 1), on the same device) of the row's total. A token filtered to zero has an
+    empty interval and is never drawn."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+
+
+def _long(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return upload(values, torch.long, like.device)

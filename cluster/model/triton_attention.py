@@ -55,9 +55,11 @@ def build_varlen_batch(
     return VarlenBatch(dev[:b], dev[b : 2 * b], dev[2 * b : 3 * b], tables, max(query_lens))
 
 
-def upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def upload(
+    values: list[int] | list[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """`values` as one tensor on `device`: on a GPU from pinned memory, asynchronously (no
-    device sync)."""
+    device sync; the engine's step metadata and the sampler's per-row settings)."""
     host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         host = host.pin_memory()

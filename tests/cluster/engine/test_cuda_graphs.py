@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from benchmarks.launch_count import counting
+from benchmarks.launch_count import HOST_SYNCS, dispatched
 from cluster.engine.cuda_graphs import capture_decode_graphs, capture_sizes, replay_by_calling
 from cluster.engine.engine import Engine
 from cluster.model.triton_attention import TritonAttention
@@ -164,22 +164,6 @@ def check_padding_stays_in_scratch(engine: Engine, replays: Replays) -> None:
 def test_padding_rows_write_only_the_scratch_block(model_dir, make_engine):
     engine = make_engine(model_dir("llama-gqa"), **SETTINGS)
     check_padding_stays_in_scratch(engine, on_the_cpu_with_graphs(engine))
-
-
-# What a CUDA graph capture refuses, seen on the CPU by the ops a step dispatches: an op that
-# reads a device value back to the host (a sync: an error while capturing). Python-side reads
-# (`tolist`, `numpy`) dispatch nothing and are not seen.
-HOST_SYNCS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal"}
-HOST_SYNCS |= {"aten.allclose", "aten.nonzero", "aten.masked_select", "aten.repeat_interleave"}
-HOST_SYNCS |= {"aten.unique", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim"}
-HOST_SYNCS |= {"aten.index[bool]", "aten.index_put[bool]", "aten.index_put_[bool]"}
-
-
-def dispatched(run) -> set[str]:
-    """The torch ops and Triton kernels `run()` dispatches (not those inside a Triton kernel)."""
-    with counting() as counter:
-        run()
-    return set(counter.ops)
 
 
 def test_the_host_sync_check_sees_syncs():

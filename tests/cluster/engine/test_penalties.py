@@ -138,12 +138,10 @@ def test_filters_equal_transformers_warpers(temperature, top_k, top_p, min_p):
     warpers.append(MinPLogitsWarper(min_p))
     want = torch.softmax(warpers(torch.zeros(16, 1, dtype=torch.long), logits.clone()), -1)
     p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    got = torch.stack([filtered_probs(row, p) for row in logits])
+    got = filtered_probs(logits, [p] * len(logits))
     assert torch.equal(got > 0, want > 0)
     assert torch.allclose(got / got.sum(-1, keepdim=True), want, atol=1e-6)
-    without = torch.stack(
-        [filtered_probs(row, dataclasses.replace(p, min_p=0.0)) for row in logits]
-    )
+    without = filtered_probs(logits, [dataclasses.replace(p, min_p=0.0)] * len(logits))
     assert (without > 0).sum() > (got > 0).sum()  # min-p removed tokens
 
 

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from cluster.engine.sampler import Sampler, mix_seed
+from benchmarks.launch_count import HOST_SYNCS, dispatched
+from cluster.engine.sampler import Sampler, draw, filtered_probs, mix_seed, uniform
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from tests.conftest import disaggregated, drive, greedy, prompt, run_to_completion, step_into
@@ -162,7 +163,57 @@ def test_top_k_and_top_p_restrict_the_support():
 
 
 def test_position_changes_the_draw():
-    logits = _logits(1, seed=3).expand(64, -1)
+    logits = _logits(1, seed=3).expand(64, -1) / 3  # 64 draws: ~32 distinct tokens expected
     p = SamplingParams(temperature=1.0)
     draws = Sampler()(logits, [p] * 64, [99] * 64, list(range(64)))
-    assert len(set(draws)) > 10
+    assert len(set(draws)) > 20  # one seed at every position would draw one token
+
+
+# -- batched filters and draws ----------------------------------------------------------------
+
+MIXED = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.6),
+    SamplingParams(temperature=0.9, min_p=0.2),
+    SamplingParams(temperature=1.1, top_k=40, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=0.5, top_k=64),  # k = vocab: no cut
+]
+
+
+def test_each_rows_filters_read_that_row_alone():
+    """Rows with different settings filtered together equal each row filtered alone, exactly,
+    and each keeps what its own settings allow."""
+    logits = _logits(len(MIXED), seed=4)
+    batch = filtered_probs(logits, MIXED)
+    for r, p in enumerate(MIXED):
+        assert torch.equal(batch[r : r + 1], filtered_probs(logits[r : r + 1], [p])), r
+    kept = (batch > 0).sum(-1).tolist()
+    assert kept[0] == kept[5] == 64 and kept[1] == 5 and min(kept[2:5]) < 64
+
+
+def test_draw_is_the_inverse_cdf_and_never_picks_a_filtered_token():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.25, 0.5, 0.0]]).expand(7, -1)
+    u = [0.0, 0.2499, 0.25, 0.4999, 0.5, 0.99, uniform(2**63 - 1)]
+    assert draw(probs, torch.tensor(u, dtype=torch.float64)).tolist() == [1, 1, 3, 3, 4, 4, 4]
+    # Unnormalised rows: the fraction is of the row's own total.
+    assert draw(torch.tensor([[0.0, 2.0, 2.0]]), torch.tensor([0.5], dtype=torch.float64)) == 2
+
+
+def test_uniform_spans_zero_to_one_and_stays_below_it():
+    us = [uniform(mix_seed(7, i)) for i in range(4000)]
+    assert 0.0 <= min(us) < 0.01 and 0.99 < max(us) < 1.0
+    assert uniform(2**63 - 1) == 1 - 2.0**-40
+    counts = torch.histc(torch.tensor(us), bins=10, min=0.0, max=1.0)
+    assert counts.min() > 320 and counts.max() < 480  # 400 a bin expected
+
+
+def test_a_step_of_sampled_rows_reads_nothing_back_but_its_tokens():
+    """Greedy, sampled and adjusted rows together dispatch no op that would wait on a GPU: the
+    tokens come back in one copy at the end (`tolist`, which dispatches nothing)."""
+    logits = _logits(8, seed=6)
+    params = [greedy(1), *MIXED, SamplingParams(temperature=1.0, repetition_penalty=1.5)]
+    histories = [[1, 2, 3]] * 8
+    ops = dispatched(lambda: Sampler()(logits, params, list(range(8)), [2] * 8, histories))
+    assert {"aten.sort", "aten.searchsorted"} <= ops, ops
+    assert not ops & HOST_SYNCS, ops & HOST_SYNCS

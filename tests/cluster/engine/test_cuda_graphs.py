@@ -1,5 +1,6 @@
 """Decode steps replayed from graphs (`cluster/engine/cuda_graphs.py`) give the tokens eager steps
-give, and their padding rows never touch a live KV block.
+give, and their padding rows never touch a live KV block; no step of the GPU's path, captured
+or eager, dispatches an op that waits on the device.
 
 On the CPU the engine runs the GPU's attention path (the Triton kernel, under Triton's
 interpreter: tests/conftest.py) with `replay_by_calling` standing in for a CUDA graph capture:
@@ -20,6 +21,7 @@ from cluster.engine.cuda_graphs import capture_decode_graphs, capture_sizes, rep
 from cluster.engine.engine import Engine
 from cluster.model.triton_attention import TritonAttention
 from cluster.request import Request, RequestOutput
+from cluster.sampling_params import SamplingParams
 from tests.cluster.engine.test_engine_bf16 import assert_argmax_up_to_rounding
 from tests.conftest import ARCHS, drive, greedy, prompt, record_plans, step_into
 
@@ -201,6 +203,39 @@ def test_a_captured_decode_step_never_waits_on_the_device(arch, model_dir, make_
     for ops in seen:
         assert {"triton.paged_attention", "triton.rope_store", "aten.linear"} <= ops, ops
         assert not ops & HOST_SYNCS, ops & HOST_SYNCS
+
+
+def test_no_engine_step_on_the_gpu_path_waits_on_the_device(model_dir, make_engine):
+    """Beyond the captured decode: every step of the GPU's path (chunked prefill, a prefix-cache
+    hit, greedy, sampled, penalised rows, logprobs) dispatches nothing in HOST_SYNCS; the one
+    readback a step needs, its tokens, is a `tolist` (not dispatched)."""
+    engine = make_engine(model_dir("qwen3"), packed_weights=False, **SETTINGS)
+    engine.runner.varlen_attention = TritonAttention(engine.runner.sliding_window)
+    shared = prompt(20, seed=7)
+    sampled = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=3, max_tokens=4)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2, max_tokens=3)
+    requests = [
+        Request("greedy", shared, greedy(4)),
+        Request("sampled", prompt(30, seed=8), sampled),
+        Request("penalised", prompt(5, seed=9), penalised),
+    ]
+    for r in requests:
+        engine.add_request(r)
+    steps, results = [], {}
+
+    def step() -> None:
+        step_into(engine, results)
+
+    while engine.has_work():
+        steps.append(dispatched(step))
+    engine.add_request(Request("cached", shared + prompt(3, seed=10), greedy(2)))
+    while engine.has_work():
+        steps.append(dispatched(step))
+    assert results["cached"].num_cached_tokens == 16  # the shared prompt's first block
+    assert results["penalised"].finish_reason is not None
+    assert sum("triton.paged_attention" in ops for ops in steps) >= 6
+    assert all(not ops & HOST_SYNCS for ops in steps), [ops & HOST_SYNCS for ops in steps]
+    assert any("aten.searchsorted" in ops for ops in steps)  # the sampled row was drawn
 
 
 # -- real CUDA graphs ------------------------------------------------------------------------

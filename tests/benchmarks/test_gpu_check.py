@@ -34,17 +34,17 @@ def without(tmp_path: Path, *hidden: str) -> dict[str, str]:
     return env
 
 
+def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_the_gpu_tests_collect_on_a_machine_without_ray(tmp_path: Path):
     env = without(tmp_path, "ray")
     gpu_test = "tests/cluster/engine/test_cuda_graphs.py"
-    r = subprocess.run(
+    r = run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m"]
         + ["gpu", "-o", "filterwarnings=ignore::DeprecationWarning", gpu_test],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "test_cuda_graphs.py" in r.stdout and " collected" in r.stdout, r.stdout
@@ -60,14 +60,7 @@ def test_without_pydantic_gpu_check_stops_at_its_preflight_and_says_why(tmp_path
         PDSERVE_SITE_BUNDLE=str(tmp_path / "no-bundle.tar.xz"),
         GPU_CHECK_STAGES="tests engine",
     )
-    r = subprocess.run(
-        ["bash", "benchmarks/gpu_check.sh"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run(["bash", "benchmarks/gpu_check.sh"], env)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "== preflight failed" in r.stdout and "gpu_site_bundle.sh" in r.stdout, r.stdout
     assert "== tests" not in r.stdout and "== engine" not in r.stdout, r.stdout

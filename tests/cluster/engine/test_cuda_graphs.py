@@ -177,7 +177,10 @@ def test_the_host_sync_check_sees_syncs():
     assert not dispatched(lambda: x[i].sum()) & HOST_SYNCS  # a gather by index does not sync
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+# The architectures whose forward differs on the device (tied head, sliding window, q/k norm
+# and bias); the others differ in host-side tables or config only (~3 s each under the
+# interpreter).
+@pytest.mark.parametrize("arch", ["llama-tied", "mistral", "qwen2", "qwen3"])
 def test_a_captured_decode_step_never_waits_on_the_device(arch, model_dir, make_engine):
     """Every bucket's step, as `capture_decode_graphs` hands it to a capture, runs the GPU's
     path (fused Triton kernels, plain GEMMs) and nothing in HOST_SYNCS."""

@@ -17,7 +17,7 @@
 #   kv: the KV transports between two processes sharing the GPU (a prefill process and the
 #      decode side, each with its pool in GPU memory): grpc, gloo and nixl (CUDA IPC through
 #      UCX) side by side at 512 and 2,046 tokens, bit-exact; issue 19's targets for nixl are
-#      <= 2 ms and <= 5% of TTFT at 2,046 tokens;
+#      <= 2 ms and <= 5% of TTFT at 2,046 tokens (NIXL from a bundle built with --nixl);
 #   serving-gpu: the serving benchmark with every engine replica on the GPU (needs Ray);
 #   serving-cpu: the serving benchmark on the machine's CPUs (fp32, 4 torch threads per engine
 #      and for the baseline), disaggregated app only, 41 pairs: the Serve + gRPC overhead per

@@ -5,8 +5,10 @@
 # grpcio, and no pydantic or Ray (/work/.library/device/KINDS.md). Runs here, where pip reaches
 # the registry; the recipe and its reasons are in benchmarks/gpu_site_bundle.md.
 #
-#   bash benchmarks/gpu_site_bundle.sh            # engine stages (the default ones): ~3 MiB
-#   bash benchmarks/gpu_site_bundle.sh --serve    # also Ray Serve, for serving-*: ~25 MiB
+#   bash benchmarks/gpu_site_bundle.sh            # engine stages (the default ones): 7 MiB
+#   bash benchmarks/gpu_site_bundle.sh --serve    # also Ray Serve, for serving-*: 32 MiB
+#   bash benchmarks/gpu_site_bundle.sh --nixl     # also NIXL, for the kv stage: 43 MiB
+# (--serve and --nixl together pass the device call's 64-MiB carry: one or the other a call.)
 #
 # Versions are the project venv's (.venv, `make setup`); the target is CPython $PYVER (default
 # 3.12, the image's python3), x86-64 manylinux. Then carry .devbundle (ignored by git) in the
@@ -16,8 +18,14 @@ cd "$(dirname "$0")/.."
 PYVER=${PYVER:-3.12}
 VENV_PY=${VENV_PY:-.venv/bin/python}
 DEST=${DEST:-.devbundle}
-serve=0
-[ "${1:-}" = --serve ] && serve=1
+serve=0 nixl=0
+for arg in "$@"; do
+    case $arg in
+    --serve) serve=1 ;;
+    --nixl) nixl=1 ;;
+    *) echo "usage: $0 [--serve] [--nixl]" >&2 && exit 2 ;;
+    esac
+done
 
 # pydantic for the config dataclasses; grpcio and protobuf of the versions the committed
 # generated code needs go to _fallback/, which gpu_check.sh puts ahead of the image's own.
@@ -69,6 +77,10 @@ if [ "$serve" = 1 ]; then
     find "$site/ray" -name '*.so' -o -name raylet -o -name gcs_server |
         xargs -r strip --strip-unneeded 2>/dev/null || true
 fi
+if [ "$nixl" = 1 ]; then  # the kv stage's third transport (UCX: CUDA IPC between processes)
+    # shellcheck disable=SC2046
+    fetch "$site" $(pinned nixl-cu12)
+fi
 rm -rf "$site/bin"
 find "$site" -name __pycache__ -prune -exec rm -rf {} +
 mkdir -p "$DEST"
@@ -77,5 +89,5 @@ if exclude=$(git rev-parse --git-path info/exclude 2>/dev/null); then
     mkdir -p "$(dirname "$exclude")"
     grep -qsx '/.devbundle/' "$exclude" || echo /.devbundle/ >>"$exclude"
 fi
-echo "$DEST/site.tar.xz: $(du -h "$DEST/site.tar.xz" | cut -f1), CPython $PYVER," \
-    "$([ "$serve" = 1 ] && echo 'engine and Ray Serve' || echo 'engine stages only')"
+echo "$DEST/site.tar.xz: $(du -h "$DEST/site.tar.xz" | cut -f1), CPython $PYVER; engine" \
+    "$([ "$serve" = 1 ] && echo '+ Ray Serve')" "$([ "$nixl" = 1 ] && echo '+ NIXL')"

@@ -12,7 +12,8 @@
 #
 # Versions are the project venv's (.venv, `make setup`); the target is CPython $PYVER (default
 # 3.12, the image's python3), x86-64 manylinux. Then carry .devbundle (ignored by git) in the
-# device call; gpu_check.sh finds .devbundle/site.tar.xz by itself.
+# device call; gpu_check.sh finds .devbundle/site.tar.xz by itself. DEST=.devbundle-nixl (say)
+# keeps a second bundle beside it: carry that folder and name its file in PDSERVE_SITE_BUNDLE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYVER=${PYVER:-3.12}
@@ -85,9 +86,9 @@ rm -rf "$site/bin"
 find "$site" -name __pycache__ -prune -exec rm -rf {} +
 mkdir -p "$DEST"
 tar -cJf "$DEST/site.tar.xz" -C "$site" .
-if exclude=$(git rev-parse --git-path info/exclude 2>/dev/null); then
-    mkdir -p "$(dirname "$exclude")"
-    grep -qsx '/.devbundle/' "$exclude" || echo /.devbundle/ >>"$exclude"
+if [ "${DEST#/}" = "$DEST" ] && exclude=$(git rev-parse --git-path info/exclude 2>/dev/null); then
+    mkdir -p "$(dirname "$exclude")"  # a folder of the checkout: ignored, so only carry sends it
+    grep -qsx "/${DEST#./}/" "$exclude" || echo "/${DEST#./}/" >>"$exclude"
 fi
 echo "$DEST/site.tar.xz: $(du -h "$DEST/site.tar.xz" | cut -f1), CPython $PYVER; engine" \
     "$([ "$serve" = 1 ] && echo '+ Ray Serve')" "$([ "$nixl" = 1 ] && echo '+ NIXL')"

@@ -17,7 +17,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = {"cluster", "prefill_worker", "decode_worker", "router", "benchmarks", "tests"}
-ROOT_MODULES = {"cluster.config", "cluster.errors", "cluster.request", "cluster.sampling_params"}
+ROOT_MODULES = {
+    "cluster.config",
+    "cluster.errors",
+    "cluster.request",
+    "cluster.sampling_params",
+    "cluster.structured_output",
+}
 PLANES = ("model", "engine", "kv_transfer", "serving", "client", "cli", "pb")
 
 # What each unit may import. A unit is a plane (`cluster.engine`), the `cluster` root modules

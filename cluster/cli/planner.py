@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import platform
+import sys
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -213,7 +214,7 @@ def plan_main(args: argparse.Namespace) -> int:
             f"# pdserve plan: {best.shape.describe()} for {args.profile}\n"
             + yaml.safe_dump(doc, sort_keys=False)
         )
-        print(f"wrote {args.out}")
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

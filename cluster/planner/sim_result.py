@@ -139,7 +139,8 @@ def bottleneck(
         return f"none missed; busiest: {max(util, key=util.get)}" if util else "none missed"
     if len(late_first) >= len(slow) + unfinished:
         spent = {k: sum(o.phases()[k] for o in late_first) for k in ("queue", "prefill")}
-        return f"ttft: prefill {max(spent, key=spent.get)}"
+        worst = max(spent, key=spent.get)
+        return "ttft: prefill queue" if worst == "queue" else "ttft: prefill compute"
     if not slow:
         return "decode: unfinished requests"
     spent = {k: sum(o.phases()[k] for o in slow) for k in ("kv_wait", "kv_transfer", "decode")}

@@ -51,8 +51,10 @@ class ProbePlan:
         longest = max(64, min(max_context - PREFILL_OUTPUT - 1, 3 * limits.max_num_batched_tokens))
         lengths = sorted({16, *(round(longest / 2**k) for k in range(5))})
         batches = tuple(b for b in (1, 2, 4, 8, 16) if b <= limits.max_num_seqs)
-        prompt_room = max_context - decode_output - 1
-        prompts = tuple(sorted({min(16, prompt_room), min(longest // 2, prompt_room)}))
+        # the largest batch's prompts and outputs fit one replica's KV pool: no preemption
+        pool_tokens = limits.num_kv_blocks * limits.block_size // max(batches)
+        room = max(1, min(max_context, pool_tokens) - decode_output - 1)
+        prompts = tuple(sorted({min(16, room), min(longest // 2, room)}))
         return ProbePlan(tuple(lengths), repeats, batches, prompts, decode_output)
 
     @property

@@ -47,6 +47,10 @@ def test_the_fitted_profile_reproduces_the_probed_step_times(tmp_path):
     plan = ProbePlan.design(2048, LIMITS, repeats=1, decode_output=32)
     assert plan.prefill_lengths[0] == 16 and max(plan.prefill_lengths) == 1536
     assert plan.decode_batches == (1, 2, 4, 8, 16)
+    assert plan.decode_prompts == (16, 768)
+    # the largest batch's prompts and outputs fit one replica's pool: 16 x (223 + 33) tokens
+    small = ProbePlan.design(2048, EngineLimits(16, 512, 256, 16), decode_output=32)
+    assert small.decode_prompts == (16, 223)
     records = ProbeRecords(
         [prefill_record(i, n) for i, n in enumerate(plan.prefill_lengths)],
         [(b, p, decode_group(b, p, 32)) for b in plan.decode_batches for p in plan.decode_prompts],

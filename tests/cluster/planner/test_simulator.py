@@ -35,13 +35,15 @@ def test_one_prefill_replica_is_an_md1_queue():
     service = 0.01
     rho = 0.7
     p = profile(prefill=(service, 0.0, 0.0), max_num_seqs=1)
-    reqs = mix_requests([RequestClass(32, 1)], 40_000, rho / service, 16, seed=5)
-    result = Simulator(p, ClusterShape(prefill_replicas=1, decode_replicas=1)).run(reqs)
-    waits = [o.phases()["queue"] for o in result.outcomes]
-    assert all(o.finished for o in result.outcomes)
-    assert [o.phases()["prefill"] for o in result.outcomes[:50]] == pytest.approx([service] * 50)
+    waits = []
+    for seed in range(4):  # 4 x 30,000 requests: the sample mean within about 1 %
+        reqs = mix_requests([RequestClass(32, 1)], 30_000, rho / service, 16, seed=seed)
+        result = Simulator(p, ClusterShape(prefill_replicas=1, decode_replicas=1)).run(reqs)
+        assert all(o.finished for o in result.outcomes)
+        assert result.outcomes[7].phases()["prefill"] == pytest.approx(service)
+        waits += [o.phases()["queue"] for o in result.outcomes]
     expected = rho * service / (2 * (1 - rho))
-    assert sum(waits) / len(waits) == pytest.approx(expected, rel=0.05)
+    assert sum(waits) / len(waits) == pytest.approx(expected, rel=0.03)
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])

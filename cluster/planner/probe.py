@@ -9,8 +9,9 @@ requests, each with fresh random tokens (no prefix-cache hits), read through the
   overheads (medians).
 - Decode probes: B requests sent together, for each batch size B and prompt length, with
   `decode_output` tokens each. A request's steps after its second token (`(last - second) /
-  (n - 2)`, client times: the KV hop and the batch's joining are before it) at the group's
-  median give one decode sample at batch B and B x (prompt + 1 + n / 2) context tokens.
+  (n - 2)`, client times: the KV hop and the batch's joining are before it), at the median
+  over the group's requests on one decode replica (`timing.decode_replica`), give one decode
+  sample at that replica's batch b and b x (prompt + 1 + n / 2) context tokens.
 
 `fit_profile` is the pure half (records in, `Profile` out); `run_probes` sends them.
 """
@@ -97,15 +98,17 @@ def fit_profile(
         raise ValueError("no KV transfer timed: profile a disaggregated deployment")
     kv = fit_transfer(moved, transport, kv_bytes_per_token)
     samples = []
-    for batch, prompt, group in records.decode:
-        steps = [
-            (r.token_times[-1] - r.token_times[1]) / (len(r.token_times) - 2)
-            for r in group
-            if r.ok and len(r.token_times) > 2
-        ]
-        if steps:
-            context = batch * (prompt + 1 + decode_output / 2)
-            samples.append(DecodeSample(batch, context, statistics.median(steps)))
+    for _, prompt, group in records.decode:
+        by_replica: dict[str, list[RequestRecord]] = {}
+        for r in group:
+            if r.ok and r.timing is not None and len(r.token_times) > 2:
+                by_replica.setdefault(r.timing.decode_replica, []).append(r)
+        for batch in by_replica.values():  # Serve spreads a group over the decode replicas
+            steps = [
+                (r.token_times[-1] - r.token_times[1]) / (len(r.token_times) - 2) for r in batch
+            ]
+            context = len(batch) * (prompt + 1 + decode_output / 2)
+            samples.append(DecodeSample(len(batch), context, statistics.median(steps)))
     overheads = Overheads(
         routing_s=statistics.median(
             max(0.0, r.timing.time_to_first_token - r.timing.queue - r.timing.prefill) for r in pre

@@ -29,7 +29,16 @@ def prefill_record(i: int, n: int) -> RequestRecord:
     return r
 
 
-def decode_group(batch: int, prompt: int, out: int) -> list[RequestRecord]:
+def decode_group(batch: int, prompt: int, out: int, replicas: int = 1) -> list[RequestRecord]:
+    """`batch` requests sent together, spread over `replicas` decode replicas."""
+    records = []
+    for k in range(replicas):
+        share = batch // replicas + (k < batch % replicas)
+        records += decode_batch(share, prompt, out, f"d{k}")
+    return records
+
+
+def decode_batch(batch: int, prompt: int, out: int, replica: str) -> list[RequestRecord]:
     context = batch * (prompt + 1 + out / 2)
     step = DECODE[0] + DECODE[1] * batch + DECODE[2] * context
     records = []
@@ -38,12 +47,13 @@ def decode_group(batch: int, prompt: int, out: int) -> list[RequestRecord]:
         r.token_times = [0.1 + i * 0.01, 0.3 + i * 0.01] + [
             0.3 + i * 0.01 + k * step for k in range(1, out - 1)
         ]
-        r.timing = PhaseTiming(0.0, 0.05, 0.01, 0.1, 0.2, 0.3, "p", "d")
+        r.timing = PhaseTiming(0.0, 0.05, 0.01, 0.1, 0.2, 0.3, "p", replica)
         records.append(r)
     return records
 
 
-def test_the_fitted_profile_reproduces_the_probed_step_times(tmp_path):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_fitted_profile_reproduces_the_probed_step_times(tmp_path, replicas):
     plan = ProbePlan.design(2048, LIMITS, repeats=1, decode_output=32)
     assert plan.prefill_lengths[0] == 16 and max(plan.prefill_lengths) == 1536
     assert plan.decode_batches == (1, 2, 4, 8, 16)
@@ -53,7 +63,11 @@ def test_the_fitted_profile_reproduces_the_probed_step_times(tmp_path):
     assert small.decode_prompts == (16, 223)
     records = ProbeRecords(
         [prefill_record(i, n) for i, n in enumerate(plan.prefill_lengths)],
-        [(b, p, decode_group(b, p, 32)) for b in plan.decode_batches for p in plan.decode_prompts],
+        [
+            (b, p, decode_group(b, p, 32, replicas))
+            for b in plan.decode_batches
+            for p in plan.decode_prompts
+        ],
     )
     profile = fit_profile(records, LIMITS, "grpc", 4096, 32, {"machine": "test"})
     assert (

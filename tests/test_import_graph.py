@@ -3,7 +3,8 @@ including imports inside functions:
 
 - each plane of `cluster` imports only the planes its `__init__.py` allows;
 - each role package imports only itself and `cluster`; roles never import each other;
-- `cluster.client` never imports torch, even indirectly (checked by importing it).
+- `cluster.client` and `cluster.planner` never import torch, even indirectly (checked by
+  importing them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ ROOT_MODULES = {
     "cluster.sampling_params",
     "cluster.structured_output",
 }
-PLANES = ("model", "engine", "kv_transfer", "serving", "client", "cli", "pb")
+PLANES = ("model", "engine", "kv_transfer", "serving", "client", "planner", "cli", "pb")
 
 # What each unit may import. A unit is a plane (`cluster.engine`), the `cluster` root modules
 # (`cluster`) or a role package; "cluster" in an allowed set means the root modules.
@@ -42,6 +43,7 @@ ALLOWED = {
         "cluster.pb",
     },
     "cluster.client": {"cluster", "cluster.client", "cluster.pb"},
+    "cluster.planner": {"cluster", "cluster.client", "cluster.planner"},
     "cluster.cli": {"cluster", *(f"cluster.{p}" for p in PLANES)},
     "cluster.pb": {"cluster.pb"},
     "prefill_worker": {"prefill_worker", "cluster", *(f"cluster.{p}" for p in PLANES)},
@@ -121,10 +123,11 @@ def test_checker_sees_a_forbidden_import(tmp_path):
     assert forbidden(bad, "cluster.cli") == {"router"}
 
 
-def test_client_plane_does_not_import_torch():
+@pytest.mark.parametrize("plane", ["client", "planner"])
+def test_client_and_planner_planes_do_not_import_torch(plane):
     modules = [
-        f"cluster.client.{p.stem}"
-        for p in sorted((ROOT / "cluster" / "client").glob("*.py"))
+        f"cluster.{plane}.{p.stem}"
+        for p in sorted((ROOT / "cluster" / plane).glob("*.py"))
         if p.stem != "__init__"
     ]
     code = (
@@ -135,7 +138,7 @@ def test_client_plane_does_not_import_torch():
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
-    assert out.stdout.strip() == "False", "cluster.client imported torch"
+    assert out.stdout.strip() == "False", f"cluster.{plane} imported torch"
 
 
 def test_proto_folder_is_not_a_python_package():

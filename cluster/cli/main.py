@@ -1,5 +1,5 @@
-"""The `pdserve` command line: make-model, generate, serve, status, bench, phases,
-config-schema."""
+"""The `pdserve` command line: make-model, generate, serve, status, bench, phases, profile,
+plan, config-schema."""
 
 from __future__ import annotations
 
@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     ph = verb("phases", "which phase dominates a workload, predicted and measured", None)
     bench_cli.add_arguments(ph, slo=False)
     ph.set_defaults(func=bench_cli.phases_main)
+    from cluster.cli import planner as planner_cli
+
+    pf = verb("profile", "fit step-time models from probes of a running deployment", None)
+    planner_cli.add_profile_arguments(pf)
+    pf.set_defaults(func=planner_cli.profile_main)
+    pl = verb("plan", "simulate P:D splits and colocation on a workload, pick the best", None)
+    planner_cli.add_plan_arguments(pl)
+    pl.set_defaults(func=planner_cli.plan_main)
     verb(
         "config-schema",
         "print the JSON schema of the app config (a Serve config's `args`)",

@@ -31,7 +31,8 @@ def verbs() -> dict[str, argparse.ArgumentParser]:
 
 def test_every_verb_is_there():
     assert set(verbs()) == {
-        "make-model", "generate", "serve", "status", "bench", "phases", "config-schema"
+        "make-model", "generate", "serve", "status", "bench", "phases", "profile", "plan",
+        "config-schema",
     }  # fmt: skip
 
 

@@ -15,7 +15,7 @@ FIRST_TOKEN = 100  # stream token i is FIRST_TOKEN + i
 
 def grpc_alone(ready, step_s: float, own_endpoint: bool) -> None:
     """A bare `Generate` servicer whose streams all wake from one event per step, served by
-    grpc.aio or (`own_endpoint`) by the router's `GrpcEndpoint`."""
+    grpc.aio or (`own_endpoint`) by the router's `GrpcServer` (router.direct)."""
     import grpc
 
     from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -33,12 +33,13 @@ def grpc_alone(ready, step_s: float, own_endpoint: bool) -> None:
                 )
 
     async def main() -> None:
-        from router.grpc_endpoint import GrpcEndpoint
+        from router.direct import GrpcServer, service_methods
 
         servicer = Servicer()
         if own_endpoint:
-            server = GrpcEndpoint("127.0.0.1")
-            ready.put(await server.start(servicer))
+            server = GrpcServer("127.0.0.1")
+            service = pb.DESCRIPTOR.services_by_name["Generation"]
+            ready.put(await server.start(service_methods(service, servicer)))
         else:
             server = grpc.aio.server()
             pb_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -181,10 +182,10 @@ async def router_path(worker_port: int, checkpoint: str, metrics=None):
 
 async def serve_router_path(orch):
     """`orch` behind the router's direct endpoint, served by `Router.Generate` itself: the
-    started `GrpcEndpoint` (its `endpoint` is "host:port"; it serves while the caller holds
+    started `GrpcServer` (its `endpoint` is "host:port"; it serves while the caller holds
     it)."""
-    from router.grpc_endpoint import GrpcEndpoint
-    from router.router import Router
+    from router.direct import GrpcServer, service_methods
+    from router.router import GENERATION, Router
 
     class Servicer:  # the router's streaming method over `orch`, nothing else
         Generate = Router.Generate
@@ -193,8 +194,8 @@ async def serve_router_path(orch):
         def __init__(self) -> None:
             self.orch = orch
 
-    server = GrpcEndpoint("127.0.0.1")
-    await server.start(Servicer())
+    server = GrpcServer("127.0.0.1")
+    await server.start(service_methods(GENERATION, Servicer()))
     return server
 
 

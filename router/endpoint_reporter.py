@@ -1,5 +1,5 @@
 """How a router replica lists itself in `GetStats`: a `ReplicaStats` of pool "router" (every
-figure 0; `grpc_endpoint`: its direct gRPC endpoint, router/grpc_endpoint.py, or "" when
+figure 0; `grpc_endpoint`: its direct gRPC endpoint, `router.direct`, or "" when
 `router.direct_grpc` is off) in the application's stats registry (cluster/serving/
 stats_registry.py), put when the replica starts and again every REPORT_INTERVAL_S, so the
 registry's TTL keeps it while the replica lives and drops it when the replica dies; removed

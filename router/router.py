@@ -1,7 +1,11 @@
 """The ingress deployment: the gRPC API (through Serve's gRPC proxy, and on the replica's own
-endpoint, router/grpc_endpoint.py) and the OpenAI-compatible HTTP API (through Serve's HTTP
+direct endpoint, `router.direct`) and the OpenAI-compatible HTTP API (through Serve's HTTP
 proxy), all calling one `Orchestrator` through the `GenerationService` interface
-(router/generation_service.py), and the token stream server the workers send tokens to."""
+(router/generation_service.py), and the token stream server the workers send tokens to.
+
+The direct endpoint serves `pdserve.v1.Generation` with the same methods as the proxy, on
+`transfer.host`, at `router.grpc_port` (0: a free port), unless `router.direct_grpc` is off.
+Why, and what Serve does not see of it: docs/architecture.md, "The channels around Serve"."""
 
 from __future__ import annotations
 
@@ -21,15 +25,16 @@ from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.stats_registry import registry
 from cluster.serving.vllm_metrics import served_model_name
+from router.direct import GrpcServer, service_methods
 from router.endpoint_reporter import EndpointReporter
 from router.grpc_api import generate_responses, model_info_to_proto, stats_to_proto
-from router.grpc_endpoint import GrpcEndpoint
 from router.openai_api import install_error_handlers, openai_routes
 from router.orchestrator import Orchestrator
 from router.token_stream import TokenStreamServer
 
 log = logging.getLogger("ray.serve." + __name__)
-# How long streams on the router's own gRPC endpoint may go on once the replica is stopping.
+GENERATION = pb.DESCRIPTOR.services_by_name["Generation"]
+# How long streams on the router's direct endpoint may go on once the replica is stopping.
 DIRECT_GRACE_S = 10.0
 
 
@@ -49,10 +54,10 @@ class Router:
             PoolMetrics("router", served_model_name(config.model)),
             app_name=serve.get_replica_context().app_name,
         )
-        self.direct: GrpcEndpoint | None = None
+        self.direct: GrpcServer | None = None
         if config.router.direct_grpc:
-            self.direct = GrpcEndpoint(host, config.router.grpc_port)
-            await self.direct.start(self)
+            self.direct = GrpcServer(host, config.router.grpc_port)
+            await self.direct.start(service_methods(GENERATION, self))
         self.report = EndpointReporter(
             registry(config.name),
             str(serve.get_replica_context().replica_id.unique_id),
@@ -81,7 +86,7 @@ class Router:
 
     def grpc_endpoint(self) -> str:
         """Where this replica serves `pdserve.v1.Generation` itself, without Serve's proxy
-        (router/grpc_endpoint.py), as "host:port"; "" with `router.direct_grpc` off. Clients
+        (`router.direct`), as "host:port"; "" with `router.direct_grpc` off. Clients
         find it in `GetStats` (router/endpoint_reporter.py)."""
         return self.direct.endpoint if self.direct is not None else ""
 

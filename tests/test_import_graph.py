@@ -3,6 +3,8 @@ including imports inside functions:
 
 - each plane of `cluster` imports only the planes its `__init__.py` allows;
 - each role package imports only itself and `cluster`; roles never import each other;
+- no import cycle anywhere in the hand-written source, module by module;
+- `router.direct`, the router's own gRPC server, imports nothing else of the project;
 - `cluster.client` and `cluster.planner` never import torch, even indirectly (checked by
   importing them).
 """
@@ -121,6 +123,130 @@ def test_checker_sees_a_forbidden_import(tmp_path):
     )
     assert forbidden(bad, "cluster.engine") == {"cluster.serving", "router"}
     assert forbidden(bad, "cluster.cli") == {"router"}
+
+
+# -- no import cycles, and the direct endpoint on its own ------------------------------------
+
+HAND_WRITTEN = ("cluster", "prefill_worker", "decode_worker", "router")
+GENERATED = ("cluster.pb",)
+
+
+def module_files(root: Path, tops: tuple[str, ...], skip: tuple[str, ...] = ()) -> dict:
+    """Every module under the folders `tops` of `root` by dotted name (a package by its own
+    name, for its `__init__.py`), but those in or under a name of `skip`."""
+    files = {}
+    for top in tops:
+        for path in sorted((root / top).rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+            if not any(name == s or name.startswith(s + ".") for s in skip):
+                files[name] = path
+    return files
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module to the modules of `files` it imports, anywhere in its body (functions and
+    `TYPE_CHECKING` blocks included). An import names the deepest module it reaches: `from
+    a.b import c` is a.b.c where that is a module, else a.b (its `__init__`)."""
+
+    def reached(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {reached(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    edges.add(full if full in files else reached(base))
+        graph[name] = edges - {None, name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_cycle_in_the_hand_written_source():
+    files = module_files(ROOT, HAND_WRITTEN, skip=GENERATED)
+    assert "cluster.engine.engine" in files and "router.direct" in files
+    assert not any(n.startswith("cluster.pb") for n in files)
+    cycles = import_cycles(import_graph(files))
+    assert not cycles, f"modules that import each other, directly or around a circle: {cycles}"
+
+
+def test_checker_sees_a_cycle(tmp_path):
+    """A cycle through an import inside a function, one through a package's `__init__`, a
+    relative one, and a module that only imports without closing a cycle."""
+    for path, text in {
+        "p/__init__.py": "",
+        "p/a.py": "def f():\n    import p.b\n",
+        "p/b.py": "from p import a\n",
+        "p/c.py": "import p.a\nimport json\n",
+        "q/__init__.py": "from q.x import X\nHELPER = 1\n",
+        "q/x.py": "from q import HELPER\nX = HELPER\n",
+        "r/__init__.py": "",
+        "r/s/__init__.py": "",
+        "r/s/m.py": "from .. import t\n",
+        "r/t.py": "from r.s import m\n",
+    }.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    graph = import_graph(module_files(tmp_path, ("p", "q", "r")))
+    assert graph["p.c"] == {"p.a"} and graph["r.s.m"] == {"r.t"}
+    assert import_cycles(graph) == [["p.a", "p.b"], ["q", "q.x"], ["r.s.m", "r.t"]]
+    assert import_cycles({**graph, "p.b": set()}) == [["q", "q.x"], ["r.s.m", "r.t"]]
+
+
+def test_the_direct_endpoint_imports_nothing_else_of_the_project():
+    """`router.direct` (the router's own gRPC server) stands alone: nothing of `router` outside
+    it, nor of `cluster`; the router hands it what it serves."""
+    files = sorted((ROOT / "router" / "direct").glob("*.py"))
+    assert len(files) > 1
+    outside = {
+        str(f.relative_to(ROOT)): sorted(
+            m
+            for m in imported_modules(f)
+            if unit_of_module(m) is not None and not m.startswith("router.direct.")
+        )
+        for f in files
+    }
+    assert not any(outside.values()), f"router.direct imports from outside: {outside}"
 
 
 @pytest.mark.parametrize("plane", ["client", "planner"])

@@ -28,6 +28,7 @@ from cluster.cli.bench_run import (
     setup,
     write_text,
 )
+from cluster.cli.version import package_version
 from cluster.client.bench_plots import missing_extra, write_plots
 from cluster.client.bench_result import bench_document, strict_json
 from cluster.client.bench_summary import PHASES, BenchSummary, Goodput
@@ -188,7 +189,7 @@ def bench_main(args: argparse.Namespace) -> int:
     detailed = bool(args.save_detailed or args.plot)
     records, replicas = replay(args, server, workload, sample=detailed)
     summary = BenchSummary.of(records, goodput)
-    meta = metadata(args, server, workload, _version(), goodput)
+    meta = metadata(args, server, workload, package_version(), goodput)
     if args.save_detailed:
         doc = bench_document(meta, summary, records, replicas)
         write_text(args.save_detailed, strict_json(doc) + "\n")
@@ -224,7 +225,7 @@ def phases_main(args: argparse.Namespace) -> int:
     records, _ = replay(args, server, workload)
     summary = BenchSummary.of(records)
     predicted = model.predict_mean(workload)
-    meta = metadata(args, server, workload, _version())
+    meta = metadata(args, server, workload, package_version())
     data = {
         **meta.to_json(),
         "model": {
@@ -288,9 +289,3 @@ def _warm_up(args: argparse.Namespace, vocab_size: int) -> None:
             args.target, warm, args.application, timeout_s=args.timeout, direct=args.direct
         )
     )
-
-
-def _version() -> str:
-    from cluster.cli.main import package_version  # main imports this module
-
-    return package_version()

@@ -4,13 +4,11 @@ plan, config-schema."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import sys
-import tomllib
 from collections.abc import Sequence
-from pathlib import Path
 
+from cluster.cli.version import package_version
 from cluster.errors import PdServeError
 
 
@@ -23,18 +21,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default is None:
             return text
         return super()._get_help_string(action)
-
-
-def package_version() -> str:
-    """pdserve's version: the installed package's, else the source tree's pyproject.toml."""
-    try:
-        return importlib.metadata.version("pdserve")
-    except importlib.metadata.PackageNotFoundError:
-        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-        try:
-            return tomllib.loads(pyproject.read_text())["project"]["version"]
-        except (OSError, KeyError, tomllib.TOMLDecodeError):
-            return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

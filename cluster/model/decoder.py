@@ -20,19 +20,9 @@ from torch import nn
 from cluster.model.attention import AttentionMetadata, paged_attention, store_kv
 from cluster.model.info import ArchSpec
 from cluster.model.linear import Linear
+from cluster.model.rms_norm import RMSNorm
 from cluster.model.rope import RopeAngles, RotaryEmbedding
 from cluster.model.triton_fused import TritonKernels
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's order: normalise in fp32, cast back, then scale; one fused op instead of six.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class EagerKernels:

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cluster.model.rms_norm import RMSNorm
+
 if TYPE_CHECKING:
-    from cluster.model.decoder import RMSNorm
     from cluster.model.rope import RotaryEmbedding
 
 

@@ -1,6 +1,6 @@
 """The token stream end to end on the session's "pd" app: a client slower than the stream gets
 every token in fewer messages (the proxy and the router coalesce what it has not taken), and
-the router replica's own gRPC endpoint (router/grpc_endpoint.py), listed by GetStats, serves the
+the router replica's own gRPC endpoint (`router.direct`), listed by GetStats, serves the
 same API as Serve's proxy, cancellation freeing everything as there."""
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from cluster.cli import bench as bench_cli
-from cluster.cli.main import main, package_version
+from cluster.cli.main import main
+from cluster.cli.version import package_version
 from cluster.client.workload import TRACES, load_trace
 from tests.cluster.client.fake_openai_server import MODEL, fake_openai_server
 from tests.traces import SHARED_PREFIX_TRACE, write_trace

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.model.decoder import EagerKernels, RMSNorm
+from cluster.model.decoder import EagerKernels
+from cluster.model.rms_norm import RMSNorm
 from cluster.model.rope import RotaryEmbedding
 from cluster.model.triton_fused import TritonKernels
 

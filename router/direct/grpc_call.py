@@ -1,13 +1,13 @@
-"""`GrpcCall`: one call on the router's own gRPC endpoint (router/grpc_endpoint.py), from its
-request headers to its trailers, run in a task of its own once the request has arrived whole.
+"""`GrpcCall`: one call on a `GrpcServer` (grpc_server.py), from its request headers to its
+trailers, run in a task of its own once the request has arrived whole.
 
-The call is also the servicer's context: the router's methods report an error's status with
-`set_code` and `set_details` (router/router.py) and raise; a method that raises without a code
-ends the call UNKNOWN, as grpc.aio's server does. The call ends one way of four: its status in
-trailers (the method's end, its error, or its deadline's DEADLINE_EXCEEDED); UNAVAILABLE when
-the endpoint stops with the call still under way past the grace; or silently when the client
-reset the stream or the connection was lost. In every case the method's stream is closed
-(`aclosing`), which is what frees a generation's KV.
+The call is also the servicer's context: a method reports an error's status with `set_code`
+and `set_details` (as the router's do, router/router.py) and raises; a method that raises
+without a code ends the call UNKNOWN, as grpc.aio's server does. The call ends one way of
+four: its status in trailers (the method's end, its error, or its deadline's
+DEADLINE_EXCEEDED); UNAVAILABLE when the server stops with the call still under way past the
+grace; or silently when the client reset the stream or the connection was lost. In every case
+the method's stream is closed (`aclosing`): that is where the router frees a generation's KV.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ _TIMEOUT_UNIT_S = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, 
 @dataclass(frozen=True, slots=True)
 class Method:
     """One method of the served service: its request type, whether it streams responses, and
-    the servicer's function for it (None: UNIMPLEMENTED)."""
+    the servicer's function for it (None: UNIMPLEMENTED), called as `function(request, call)`:
+    an async generator of responses when `streaming`, else a coroutine of one."""
 
     request_type: type
     streaming: bool
@@ -139,9 +140,7 @@ class GrpcCall:
             if self.expired:
                 self.connection.end(self, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             elif self.stopping:
-                self.connection.end(
-                    self, grpc.StatusCode.UNAVAILABLE, "the router replica is stopping"
-                )
+                self.connection.end(self, grpc.StatusCode.UNAVAILABLE, "the server is stopping")
             # else the client is gone: nothing to send
         except Exception as e:
             details = self.details or f"Unexpected {type(e).__name__}: {e}"
@@ -158,14 +157,14 @@ class GrpcCall:
 
     def cancel(self, *, gone: bool = False, stopping: bool = False) -> None:
         """End the call's task where it waits: the client left (`gone`: nothing more is
-        sent) or the endpoint is stopping."""
+        sent) or the server is stopping."""
         self.gone = self.gone or gone
         self.stopping = self.stopping or stopping
         self._interrupt()
 
     def _interrupt(self) -> None:
         """Cancel the task once. A second cancel (the client's reset landing just after the
-        deadline, or the endpoint's stop after either) would land in the method's clean-up,
+        deadline, or the server's stop after either) would land in the method's clean-up,
         the `aclose` that frees the generation's KV, and cut it short."""
         if self.task is not None and not self.task.done() and not self.interrupted:
             self.interrupted = True

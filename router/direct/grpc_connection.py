@@ -1,16 +1,16 @@
-"""`GrpcConnection`: one client connection to the router's own gRPC endpoint
-(router/grpc_endpoint.py): HTTP/2 through the `h2` package's state machine (framing, HPACK,
-SETTINGS, PING, flow control, stream states, protocol errors), gRPC's framing on top.
+"""`GrpcConnection`: one client connection to a `GrpcServer` (grpc_server.py): HTTP/2 through
+the `h2` package's state machine (framing, HPACK, SETTINGS, PING, flow control, stream states,
+protocol errors), gRPC's framing on top.
 
-Why not grpc.aio: its server makes one `sendmsg` for every message it streams, and with the
-state it keeps around each it cost ~40 µs of CPU per message on the test machine; here every
-message a loop turn produces for a connection (an engine step's tokens for all its streams)
-goes out in one socket write, the turn after (`benchmarks/router_path_bench.py` measures both).
+Why not grpc.aio: its server makes one `sendmsg` for every message it streams, and keeps state
+around each; here every message a loop turn produces for a connection (for the router, an
+engine step's tokens for all its streams) goes out in one socket write, the turn after.
 
 Backpressure is HTTP/2's: a response the stream's or the connection's send window does not
-take waits in its call (`GrpcCall.pending`), and the call's next message waits with it, so the
-router coalesces what the client has not taken (router/token_stream.py), as it did behind
-grpc.aio. While the socket's own buffer is full (`pause_writing`) every response waits.
+take waits in its call (`GrpcCall.pending`), and the call's next message waits with it, so a
+method that coalesces what its client has not taken (the router does, router/token_stream.py)
+sends fewer, larger messages to a slow reader. While the socket's own buffer is full
+(`pause_writing`) every response waits.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import h2.exceptions
 import h2.settings
 from hyperframe.frame import GoAwayFrame
 
-from router.grpc_call import GrpcCall, Method
+from router.direct.grpc_call import GrpcCall, Method
 
 log = logging.getLogger("ray.serve." + __name__)
 # Streams a client may hold open on one connection (grpc's own server sets no limit; h2's
@@ -58,7 +58,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def __init__(self, methods: dict[bytes, Method], connections: set[GrpcConnection]) -> None:
         self.methods = methods
-        self.connections = connections  # the endpoint's open connections
+        self.connections = connections  # the server's open connections
         self.h2 = h2.connection.H2Connection(_H2)
         self.calls: dict[int, GrpcCall] = {}
         self.waiting: set[GrpcCall] = set()  # calls whose responses a window holds back
@@ -82,6 +82,9 @@ class GrpcConnection(asyncio.Protocol):
                 h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_BYTES,
             },
         )
+        # Settings given as initial values are in force at once, as h2 applies none of them
+        # to its HPACK decoder: the header list limit is set there too (else h2's default).
+        self.h2.decoder.max_header_list_size = MAX_HEADER_LIST_BYTES
         self.h2.initiate_connection()
         self.flush()
 

@@ -1,81 +1,36 @@
-"""The router's own gRPC endpoint (router/grpc_endpoint.py) on loopback: grpc's own clients get
-the service as from any gRPC server (messages, statuses and their details, deadlines,
-cancellation, flow control, many streams on one connection, a stop with a grace), and a raw
-HTTP/2 client (tests/router/h2_client.py) gets a clear status for what they never send. Every
-test ends with each generation the servicer opened closed again (what frees its KV)."""
+"""The router's direct endpoint (`router.direct.GrpcServer`, serving the router's methods) on
+loopback: grpc's own clients get the service as from any gRPC server (messages, statuses and
+their details, deadlines, cancellation, flow control, many streams on one connection, a stop
+with a grace), and a raw HTTP/2 client (tests/router/direct/h2_client.py) gets a clear status
+for what they never send. Every test ends with each generation the servicer opened closed
+again (what frees its KV). Its limits: test_grpc_server_limits.py."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import grpc
 import pytest
-from h2.settings import SettingCodes
 
 from cluster.errors import InvalidArgument
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.grpc_call import MAX_REQUEST_BYTES
-from router.grpc_endpoint import GrpcEndpoint
-from router.router import Router
+from router.direct import GrpcServer, service_methods
+from router.router import GENERATION
+from tests.router.direct.h2_client import RawClient, frame, grpc_headers
+from tests.router.direct.rig import (
+    SMALL_WINDOW,
+    Servicer,
+    all_closed,
+    connected,
+    greedy,
+    request,
+    serving,
+    until,
+)
 from tests.router.fake_service import FakeService
-from tests.router.h2_client import RawClient, frame, grpc_headers
 from tests.router.stream_rig import FIRST_TOKEN, RecordingMetrics, StepWorker, orchestrator
-
-# A client that announces a 1 KiB receive window and never grows it (a slow reader, as flow
-# control sees it).
-SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
-
-
-class Servicer:
-    """The router's own methods (router/router.py) over a generation service; `GetStats`
-    fails without setting a code."""
-
-    Generate = Router.Generate
-    GetModelInfo = Router.GetModelInfo
-
-    def __init__(self, service) -> None:
-        self.orch = service
-
-    async def GetStats(self, request, context):
-        raise RuntimeError("no code set")
-
-
-@asynccontextmanager
-async def serving(service):
-    """`service` behind a started endpoint; its "host:port"."""
-    endpoint = GrpcEndpoint("127.0.0.1")
-    await endpoint.start(Servicer(service))
-    try:
-        yield endpoint.endpoint
-    finally:
-        await endpoint.stop(1.0)
-
-
-@asynccontextmanager
-async def connected(service, options=None):
-    """A grpc.aio client's stub and channel to `service` behind an endpoint."""
-    async with serving(service) as endpoint:
-        async with grpc.aio.insecure_channel(endpoint, options=options) as channel:
-            yield pb_grpc.GenerationStub(channel), channel
-
-
-def request(max_tokens: int, prompt: str = "hello") -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens))
-
-
-async def until(check, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
-def all_closed(fake: FakeService):
-    return lambda: fake.opened == fake.closed
 
 
 def test_streams_unary_calls_and_statuses_as_grpc_has_them():
@@ -221,20 +176,6 @@ def test_what_no_grpc_client_sends_gets_a_clear_status(headers, body, status, gr
     assert fake.opened == fake.closed == 1
 
 
-def test_a_request_over_the_size_limit_is_refused():
-    async def go():
-        async with serving(FakeService()) as endpoint:
-            client = await RawClient.connect(endpoint)
-            big = request(2, "x" * (MAX_REQUEST_BYTES + 1)).SerializeToString()
-            answer = await client.call(grpc_headers(), frame(big))
-            await client.close()
-        return answer
-
-    answer = asyncio.run(go())
-    assert answer.headers[b"grpc-status"] == b"8"  # RESOURCE_EXHAUSTED
-    assert b"limit" in answer.headers[b"grpc-message"]
-
-
 def test_a_dropped_connection_closes_its_generations():
     async def go():
         fake = FakeService()
@@ -256,8 +197,8 @@ def test_a_stop_ends_calls_past_the_grace_unavailable_and_refuses_new_ones():
     async def go():
         fake = FakeService()
         fake.hang_after_first = True
-        endpoint = GrpcEndpoint("127.0.0.1")
-        await endpoint.start(Servicer(fake))
+        endpoint = GrpcServer("127.0.0.1")
+        await endpoint.start(service_methods(GENERATION, Servicer(fake)))
         async with grpc.aio.insecure_channel(endpoint.endpoint) as channel:
             call = pb_grpc.GenerationStub(channel).Generate(request(10))
             await call.read()
@@ -275,19 +216,6 @@ def test_a_stop_ends_calls_past_the_grace_unavailable_and_refuses_new_ones():
     assert ended == grpc.StatusCode.UNAVAILABLE
     assert refused in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert fake.opened == fake.closed == 1
-
-
-def test_a_response_larger_than_the_clients_window_arrives_whole():
-    """128 KiB in one message to a client with a 1 KiB window: many DATA frames, each sent as
-    the client's window updates allow."""
-
-    async def go():
-        fake = FakeService()
-        fake.model = replace(fake.model, model_id="m" * (128 << 10))
-        async with connected(fake, SMALL_WINDOW) as (stub, _):
-            return await stub.GetModelInfo(pb.GetModelInfoRequest())
-
-    assert asyncio.run(go()).model_id == "m" * (128 << 10)
 
 
 def test_a_slow_client_gets_every_token_in_order_in_fewer_messages():
@@ -314,57 +242,3 @@ def test_a_slow_client_gets_every_token_in_order_in_fewer_messages():
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert msgs[-1].usage.completion_tokens == 400
     assert all(not m.HasField("usage") for m in msgs[:-1])
-
-
-def greedy(max_tokens: int) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-class Flood:
-    """A `Generate` that yields 1 KiB messages without ever awaiting anything of its own."""
-
-    def __init__(self, messages: int) -> None:
-        self.messages = messages
-        self.made = 0
-        self.closed = False
-
-    async def Generate(self, request, context):
-        try:
-            for _ in range(self.messages):
-                self.made += 1
-                yield pb.GenerateResponse(text="x" * 1024)
-        finally:
-            self.closed = True
-
-
-def test_a_client_that_stops_reading_holds_the_stream_back_within_bounds():
-    """A client that grants a 1 GiB window and then reads nothing: the endpoint stops taking
-    messages once the socket's buffers are full (it never waits for flow control here), keeps
-    its loop turning meanwhile, and closes the stream when the client goes."""
-
-    async def go():
-        flood = Flood(200_000)  # 200 MiB if nothing held it back
-        endpoint = GrpcEndpoint("127.0.0.1")
-        await endpoint.start(flood)
-        try:
-            client = await RawClient.connect(endpoint.endpoint)
-            client.h2.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: (1 << 31) - 1})
-            client.h2.increment_flow_control_window(1 << 30)
-            await client.send(grpc_headers(), frame(request(1).SerializeToString()))
-            ticks = 0
-            for _ in range(20):  # the loop turns while the flood is held back
-                await asyncio.sleep(0.02)
-                ticks += 1
-            held_at = flood.made
-            await asyncio.sleep(0.2)
-            still = flood.made
-            await client.close()
-            await until(lambda: flood.closed)
-        finally:
-            await endpoint.stop(1.0)
-        return ticks, held_at, still, flood
-
-    ticks, held_at, still, flood = asyncio.run(go())
-    assert ticks == 20
-    assert held_at < 50_000 and still == held_at  # held back, ~tens of MiB at most
-    assert flood.closed

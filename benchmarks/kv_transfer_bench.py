@@ -32,7 +32,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVLayout
 from cluster.kv_transfer.capability import Capability
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
+from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams

@@ -28,16 +28,15 @@ import torch
 
 from benchmarks.options import common_parser, model_dir
 from benchmarks.report import header, publish
-from cluster.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVCache
+from cluster.kv_transfer.base import KVClient
 from cluster.kv_transfer.capability import Capability
-from cluster.kv_transfer.collective_kv_client import CollectiveKVClient
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
-from cluster.kv_transfer.kv_client import KVClient
+from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 from cluster.kv_transfer.kv_handle import KVHandle
-from cluster.kv_transfer.nixl_kv_client import NixlKVClient
+from cluster.kv_transfer.transport_factory import make_kv_client
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
@@ -109,9 +108,8 @@ async def measure(a, transport: str, names: tuple[str, ...], lens: list[int]) ->
 def _client(name: str, pool: KVCache, num_blocks: int) -> KVClient:
     if name.startswith("grpc"):
         return GrpcKVClient(CHUNK, 60.0, max_blocks=num_blocks, checksum="checksum" in name)
-    if name == "gloo":
-        return CollectiveKVClient("gloo", pool.k.device, CHUNK, 60.0, max_blocks=num_blocks)
-    return NixlKVClient(pool, CHUNK, 60.0, max_blocks=num_blocks)
+    transfer = TransferConfig(transport=name, max_chunk_bytes=CHUNK, fetch_timeout_seconds=60.0)
+    return make_kv_client(transfer, pool.k.device, num_blocks, pool)
 
 
 def _prefill_side(conn, path: str, transport: str, num_blocks: int, threads: int, device: str):

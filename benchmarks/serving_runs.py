@@ -20,7 +20,7 @@ from benchmarks.report import log
 from benchmarks.serving_config import APP, DECODING, MODES, TTFT_TOKENS, ServingBenchConfig
 from benchmarks.serving_results import Results
 from cluster.engine.engine import Engine
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
+from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from cluster.serving.app_config import AppConfig

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from cluster.engine.engine import Engine
 from cluster.errors import PdServeError
-from cluster.kv_transfer.kv_client import make_kv_client
+from cluster.kv_transfer.transport_factory import make_kv_client
 from cluster.request import Request, StepOutput
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from cluster.kv_transfer.capability import Capability
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
+from cluster.kv_transfer.kv_control import KVControl
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.serving.pool_messages import PrefillResult
 
@@ -33,7 +33,7 @@ ENDPOINTS_TTL_S = 1.0  # how long a looked-up list of prefill KV endpoints is us
 class LeaseReleases:
     def __init__(
         self,
-        kv_client: GrpcKVClient,
+        kv_client: KVControl,
         capability: Capability,
         prefill_endpoints: Callable[[], Awaitable[list[str]]],
     ) -> None:

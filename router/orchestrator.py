@@ -31,7 +31,7 @@ from ray.serve.exceptions import (
 
 from cluster.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from cluster.kv_transfer.capability import Capability
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
+from cluster.kv_transfer.kv_control import KVControl
 from cluster.model.info import ModelInfo
 from cluster.request import MAX_STREAM_INTERVAL, Request
 from cluster.sampling_params import SamplingParams
@@ -88,7 +88,7 @@ class Orchestrator:
             mode=config.mode,
         )
         self.leases = LeaseReleases(
-            GrpcKVClient(config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds),
+            KVControl(config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds),
             Capability(bytes.fromhex(config.transfer.secret)),
             self._prefill_endpoints,
         )

@@ -6,7 +6,8 @@ including imports inside functions:
 - no import cycle anywhere in the hand-written source, module by module;
 - `router.direct`, the router's own gRPC server, imports nothing else of the project;
 - `cluster.client` and `cluster.planner` never import torch, even indirectly (checked by
-  importing them).
+  importing them);
+- a KV transport's modules are imported only inside its own folder.
 """
 
 from __future__ import annotations
@@ -269,3 +270,30 @@ def test_client_and_planner_planes_do_not_import_torch(plane):
 
 def test_proto_folder_is_not_a_python_package():
     assert not list((ROOT / "proto").rglob("*.py"))
+
+
+TRANSPORT_FOLDERS = sorted(
+    p.parent.name
+    for p in (ROOT / "cluster" / "kv_transfer").glob("*/__init__.py")
+    if p.parent.name != "pdserve"
+)
+PRODUCT = ("cluster", "prefill_worker", "decode_worker", "router")
+
+
+def test_a_transports_modules_are_imported_only_inside_its_folder():
+    """A KV transport is one folder: outside `cluster/kv_transfer/<name>/` the product's source
+    never imports it (the registry names its package by its dotted path and imports nothing of
+    it), so adding or removing a transport touches its folder and one registry line."""
+    assert {"grpc", "nixl", "collective"} <= set(TRANSPORT_FOLDERS)
+    bad = {}
+    for top in PRODUCT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            for name in TRANSPORT_FOLDERS:
+                pkg = f"cluster.kv_transfer.{name}"
+                if rel.parts[:3] == ("cluster", "kv_transfer", name):
+                    continue
+                hits = {m for m in imported_modules(path) if m == pkg or m.startswith(pkg + ".")}
+                if hits:
+                    bad[str(rel)] = sorted(hits)
+    assert not bad, f"transport modules imported outside their folder: {bad}"

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from cluster.engine.kv_cache import KVLayout
 from cluster.errors import InvalidArgument
+from cluster.kv_transfer import registry
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
-TRANSPORTS = ("grpc", "nixl", "gloo", "nccl")
 _U32 = 1 << 32
 
 
@@ -25,7 +25,7 @@ class KVHandle:
     request_id: str
     num_tokens: int
     endpoint: str  # "host:port" of the prefill worker's KV server
-    transport: str  # one of TRANSPORTS
+    transport: str  # a registered transport (`registry.names()`)
     block_ids: tuple[int, ...]  # in token order; ceil(num_tokens / block_size) of them
     block_size: int
     layout: KVLayout
@@ -39,8 +39,8 @@ class KVHandle:
         if not _uint(self.num_tokens, _U32) or self.num_tokens == 0:
             raise InvalidArgument(f"KV handle num_tokens must be positive: {self.num_tokens!r}")
         split_endpoint(self.endpoint)
-        if self.transport not in TRANSPORTS:
-            raise InvalidArgument(f"KV handle transport must be one of {TRANSPORTS}")
+        if self.transport not in registry.names():
+            raise InvalidArgument(f"KV handle transport must be one of {registry.names()}")
         _check_layout(self.layout)
         if self.block_size != self.layout.block_size:
             raise InvalidArgument(

@@ -4,8 +4,8 @@
 One channel per endpoint is kept, and closed once it has been unused for `idle_seconds` and for
 the `timeout_s` deadline of any call (every call on it is made with `timeout_s`, so none is
 still running on it): prefill replicas come and go with autoscaling, and their endpoints with
-them. Both KV clients use it: `GrpcKVClient` for FetchKV and ReleaseKV, `CollectiveKVClient`
-(through the `GrpcKVClient` it holds) for its control calls too. Runs on one event loop.
+them. `KVControl` holds one, which every transport's client of a worker shares (`GrpcKVClient`
+for FetchKV, the others for their control calls). Runs on one event loop.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class KVServerStubs:
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, handle: KVHandle) -> PdServeError:
-    """The pdserve error for a failed KV server call about `handle` (see `kv_client`)."""
+    """The pdserve error for a failed KV server call about `handle` (see `base`)."""
     code, details = exc.code(), exc.details() or ""
     where = f"KV fetch of request {handle.request_id!r} from {handle.endpoint}"
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -103,6 +103,8 @@ def rpc_error(exc: grpc.aio.AioRpcError, handle: KVHandle) -> PdServeError:
         return Unavailable(f"{where}: the KV lease expired or was released ({details})")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return FailedPrecondition(f"{where}: {details}")
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # the server does not serve this transport
+        return FailedPrecondition(f"{where}: the KV server does not serve it ({details})")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"{where}: timed out ({details})")
     if code == grpc.StatusCode.INVALID_ARGUMENT:

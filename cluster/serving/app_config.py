@@ -28,6 +28,7 @@ from cluster.config import (
     parse_config,
 )
 from cluster.errors import InvalidArgument
+from cluster.kv_transfer import registry
 from cluster.request import MAX_STREAM_INTERVAL
 from cluster.serving.autoscaling import (
     DECODE_TARGETS,
@@ -174,19 +175,16 @@ class RouterConfig(PoolConfig):
 
 
 def auto_transport(mode: Mode) -> str:
-    """The KV transport "auto" stands for: "nixl" where NIXL imports and two agents here move
-    bytes to each other through UCX (which, across nodes, takes TCP wherever gRPC reaches;
-    a decode worker that still cannot load a prefill agent fetches over gRPC), else "grpc".
-    A colocated app moves no KV: "grpc", unprobed."""
+    """The KV transport "auto" stands for (`registry.choose_auto`): the first registered
+    candidate that works here ("nixl" where NIXL imports and two agents here move bytes to
+    each other through UCX, which across nodes takes TCP wherever gRPC reaches), else the
+    baseline, "grpc". A colocated app moves no KV: the baseline, unprobed."""
     if mode == "colocated":
-        return "grpc"
-    from cluster.kv_transfer.nixl_pool import probe
-
-    why_not = probe()
+        return registry.BASELINE
+    name, why_not = registry.choose_auto()
     if why_not:
-        log.warning("KV transport: grpc (%s)", why_not)
-        return "grpc"
-    return "nixl"
+        log.warning("KV transport: %s (%s)", name, "; ".join(why_not))
+    return name
 
 
 @with_config(DICT_FORM)
@@ -227,8 +225,15 @@ class AppConfig:
         # A plain PoolConfig (built in Python) becomes the router's, checked as one.
         object.__setattr__(self, "router", RouterConfig.of(self.router))
         device = self.model.device
-        if self.transfer.transport == "nccl" and not device.startswith(("cuda", "auto")):
-            raise ConfigError("transport nccl moves KV between GPUs: it needs device cuda")
+        transport = self.transfer.transport
+        if transport != "auto" and transport not in registry.names():
+            raise ConfigError(f"transfer.transport: expected 'auto' or one of {registry.names()}")
+        if (
+            transport != "auto"
+            and registry.get(transport).needs_cuda
+            and not device.startswith(("cuda", "auto"))
+        ):
+            raise ConfigError(f"transport {transport} moves KV between GPUs: it needs device cuda")
         if self.router.autoscaling is not None:
             engine_only = sorted({s for s, _ in self.router.autoscaling.targets} - {"requests"})
             if engine_only:

@@ -59,7 +59,7 @@ def _decode(request, handle, first_token: int) -> list[WorkerChunk]:
 
 
 def test_bad_token_expired_lease_and_layout_mismatch_fail_with_documented_codes(apps):
-    from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
+    from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 
     # A forged capability token is refused by the prefill replica's KV server.
     request, result = _prefill("forged")

@@ -14,7 +14,8 @@ import torch
 
 from cluster.config import TransferConfig
 from cluster.engine.engine import Engine
-from cluster.kv_transfer.collective_kv_client import CollectiveKVClient
+from cluster.kv_transfer.collective.collective_kv_client import CollectiveKVClient
+from cluster.kv_transfer.transport_factory import make_kv_client
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
@@ -93,7 +94,11 @@ def test_a_prefill_replica_serves_its_lease_over_gloo_across_processes(
     assert handle.transport == "gloo"
 
     async def fetch():
-        client = CollectiveKVClient("gloo", torch.device("cpu"), 1 << 20, 10.0)
+        transfer = TransferConfig(
+            transport="gloo", max_chunk_bytes=1 << 20, fetch_timeout_seconds=10.0
+        )
+        client = make_kv_client(transfer, torch.device("cpu"), 1 << 16)
+        assert isinstance(client, CollectiveKVClient)
         try:
             kv = await client.fetch(handle, handle.layout)
             assert await client.release(handle, "fetched")

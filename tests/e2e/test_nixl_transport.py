@@ -11,9 +11,11 @@ import asyncio
 
 import torch
 
+from cluster.config import TransferConfig
 from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVCache
-from cluster.kv_transfer.nixl_kv_client import NixlKVClient
+from cluster.kv_transfer.nixl.nixl_kv_client import NixlKVClient
+from cluster.kv_transfer.transport_factory import make_kv_client
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
@@ -43,7 +45,11 @@ def test_a_prefill_replica_serves_its_lease_to_a_nixl_read_across_processes(
     blocks = [5, 6, 2, 3]  # not contiguous, not where the prefill pool keeps them
 
     async def read() -> None:
-        client = NixlKVClient(pool, 1 << 20, 10.0, max_blocks=8)
+        transfer = TransferConfig(
+            transport="nixl", max_chunk_bytes=1 << 20, fetch_timeout_seconds=10.0
+        )
+        client = make_kv_client(transfer, pool.k.device, 8, pool)
+        assert isinstance(client, NixlKVClient)
         try:
             assert await client.fetch_into(handle, pool, blocks) > 0
             assert await client.release(handle, "fetched")

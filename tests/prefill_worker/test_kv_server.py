@@ -20,7 +20,7 @@ from cluster.kv_transfer.kv_handle import KVHandle, layout_to_proto
 from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferStub
-from tests.prefill_worker.kv_pair import (
+from tests.cluster.kv_transfer.kv_pair import (
     BLOCK_SIZE,
     MAX_CHUNK_BYTES,
     colocated,

@@ -12,7 +12,7 @@ from cluster.errors import InvalidArgument, NotFound, Unauthenticated
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferStub
 from cluster.request import Request
-from tests.prefill_worker.kv_pair import PARAMS, pair, prompt, run
+from tests.cluster.kv_transfer.kv_pair import PARAMS, pair, prompt, run
 
 
 def test_release_during_a_fetch_waits_for_the_fetch(llama_dir: Path) -> None:
@@ -90,7 +90,7 @@ def test_cancel_prefill_ends_the_request_wherever_it_is_on_the_worker(llama_dir:
             cap = p.leases.capability
 
             async def cancel(rid: str) -> bool:
-                return await p.client.cancel_prefill(p.endpoint, rid, cap.cancel_token(rid))
+                return await p.client.control.cancel_prefill(p.endpoint, rid, cap.cancel_token(rid))
 
             async def freed() -> bool:
                 for _ in range(50):

@@ -18,13 +18,15 @@ import torch
 from cluster.engine.async_engine import AsyncEngine
 from cluster.errors import FailedPrecondition, Unauthenticated, Unavailable
 from cluster.kv_transfer.capability import Capability
+from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
+from cluster.kv_transfer.kv_control import KVControl
 from cluster.kv_transfer.kv_handle import KVHandle
-from cluster.kv_transfer.nixl_kv_client import NixlKVClient
-from cluster.kv_transfer.nixl_pool import load_nixl
+from cluster.kv_transfer.nixl.nixl_kv_client import NixlKVClient
+from cluster.kv_transfer.nixl.nixl_pool import load_nixl
 from cluster.request import Request
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
-from tests.prefill_worker.kv_pair import (
+from tests.cluster.kv_transfer.kv_pair import (
     MAX_CHUNK_BYTES,
     PARAMS,
     Pair,
@@ -78,13 +80,17 @@ async def nixl_pair(
         prefill, leases, prefill.layout, "127.0.0.1", 0, MAX_CHUNK_BYTES, transport="nixl"
     )
     endpoint = await server.start()
-    client = NixlKVClient(decode.kv_pool, MAX_CHUNK_BYTES, 10.0, max_blocks=32, telemetry=True)
+    control = KVControl(MAX_CHUNK_BYTES, 10.0)
+    grpc_client = GrpcKVClient(MAX_CHUNK_BYTES, 10.0, max_blocks=32, control=control)
+    client = NixlKVClient(
+        decode.kv_pool, 10.0, control=control, fallback=grpc_client, max_blocks=32, telemetry=True
+    )
     p = NixlPair(prefill, decode, leases, server, client, endpoint)
     try:
         yield p
         assert await leases.drain(5.0), "a lease was never freed"
         assert await p.used_blocks() == (0, 0), "KV blocks leaked"
-        assert server.nixl.holds == 0
+        assert server.senders["nixl"].holds == 0
     finally:
         await p.close()
 
@@ -195,7 +201,7 @@ def test_a_cancelled_read_ends_only_after_the_read_and_frees_both_sides(llama_di
             agent.read = slow_read
             task = asyncio.ensure_future(p.fetch_and_decode(handle, ids))
             await asyncio.sleep(0.2)
-            assert p.server.nixl.holds == 1  # the lease is pinned for the reader
+            assert p.server.senders["nixl"].holds == 1  # the lease is pinned for the reader
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -203,7 +209,7 @@ def test_a_cancelled_read_ends_only_after_the_read_and_frees_both_sides(llama_di
             agent.read = real_read
             assert await p.used_blocks() == (40 // 16 + 1, 0)  # the lease still holds
             for _ in range(100):  # the server sees the hold's call cancelled
-                if p.server.nixl.holds == 0:
+                if p.server.senders["nixl"].holds == 0:
                     break
                 await asyncio.sleep(0.01)
             assert await p.client.release(handle, "aborted")
@@ -228,12 +234,12 @@ def test_a_peer_nixl_cannot_load_is_fetched_over_grpc(llama_dir: Path) -> None:
 
 
 def test_a_server_where_nixl_cannot_start_serves_grpc(llama_dir: Path, monkeypatch) -> None:
-    from prefill_worker import kv_server
+    from cluster.kv_transfer import nixl
 
     def broken(*args, **kwargs):
         raise Unavailable("no UCX here")
 
-    monkeypatch.setattr(kv_server, "NixlKVSender", broken)
+    monkeypatch.setattr(nixl, "NixlKVSender", broken)
 
     async def main() -> None:
         prefill = AsyncEngine(make_engine(llama_dir))
@@ -241,6 +247,6 @@ def test_a_server_where_nixl_cannot_start_serves_grpc(llama_dir: Path, monkeypat
         server = KVServer(
             prefill, leases, prefill.layout, "127.0.0.1", 0, MAX_CHUNK_BYTES, transport="nixl"
         )
-        assert server.transport == "grpc" and server.nixl is None
+        assert server.transport == "grpc" and list(server.senders) == ["grpc"]
 
     run(main())

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from prefill_worker.nixl_kv_sender import NixlKVSender
+from cluster.kv_transfer.nixl.nixl_kv_sender import NixlKVSender
 
 
 class CountingPool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.errors import InvalidArgument
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
+from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 
 
 def test_idle_seconds_must_be_positive() -> None:

@@ -1,12 +1,15 @@
-"""`GrpcKVSender`: the prefill side of the `grpc` KV transport, behind `KVServer.FetchKV`.
+"""`GrpcKVSender`: the prefill side of the `grpc` KV transport (contract: `KVSender`), which
+every KV server serves: the FetchKV RPC.
 
-It turns a pinned lease's blocks into `KVChunk` frames in wire form (`kv_frame.encode_frame`). A
-producer task reads the chunks out of the pool, up to `read_batch_bytes` per read, and frames
-them, on worker threads, while earlier frames are sent; at most two framed chunks wait for the
-socket. Without checksums, a chunk whose blocks are consecutive in a host pool is framed
-straight from the pool (`kv_wire.pool_slices`): one copy of each byte on this side. The reads
-run beside the engine thread (`AsyncEngine.read_held_kv`), so a fetch never waits for a prefill
-step to end.
+`FetchKV` checks the handle and pins its lease (`lease_pins.pin`) for the whole stream, then streams
+the KV of the lease in chunks of at most the server's `max_chunk_bytes` (or the client's, if
+smaller). It turns a pinned lease's blocks into `KVChunk` frames in wire form
+(`kv_frame.encode_frame`). A producer task reads the chunks out of the pool, up to
+`read_batch_bytes` per read, and frames them, on worker threads, while earlier frames are sent; at
+most two framed chunks wait for the socket. Without checksums, a chunk whose blocks are consecutive
+in a host pool is framed straight from the pool (`kv_wire.pool_slices`): one copy of each byte on
+this side. The reads run beside the engine thread (`AsyncEngine.read_held_kv`), so a fetch never
+waits for a prefill step to end.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.kv_cache import KVLayout
+import grpc
+
+from cluster.errors import InvalidArgument, PdServeError
+from cluster.kv_transfer.base import KVSender
 from cluster.kv_transfer.kv_frame import encode_frame
 from cluster.kv_transfer.kv_wire import (
     ChunkRange,
@@ -26,14 +31,49 @@ from cluster.kv_transfer.kv_wire import (
     pool_slices,
     unit_bytes,
 )
+from cluster.kv_transfer.lease_pins import SenderParts, abort, pin
+from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
 
-class GrpcKVSender:
-    def __init__(self, async_engine: AsyncEngine, layout: KVLayout, read_batch_bytes: int) -> None:
-        self.engine = async_engine
-        self.layout = layout
-        self.unit_bytes = unit_bytes(layout)
-        self.read_batch_bytes = read_batch_bytes
+class GrpcKVSender(KVSender):
+    def __init__(self, parts: SenderParts) -> None:
+        """InvalidArgument if `parts.max_chunk_bytes` is below one block of one layer."""
+        self.parts = parts
+        self.engine = parts.async_engine
+        self.layout = parts.layout
+        self.unit_bytes = unit_bytes(parts.layout)
+        self.read_batch_bytes = parts.read_batch_bytes
+        self.max_chunk_bytes = parts.max_chunk_bytes
+        if self.max_chunk_bytes < self.unit_bytes:
+            raise InvalidArgument(
+                f"max_chunk_bytes={self.max_chunk_bytes} is below one block of one layer "
+                f"({self.unit_bytes} bytes)"
+            )
+
+    def handlers(self) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+        """FetchKV, registered without a response serializer: its handler yields `KVChunk`
+        messages already framed (`kv_frame`), which protobuf would copy twice more."""
+        fetch = grpc.unary_stream_rpc_method_handler(
+            self.FetchKV, request_deserializer=pb.FetchKVRequest.FromString
+        )
+        return {self.SERVICE: {"FetchKV": fetch}}
+
+    async def FetchKV(
+        self, request: pb.FetchKVRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        try:
+            rid, block_ids = await pin(self.parts, request)
+        except PdServeError as exc:
+            await abort(context, exc)
+        try:
+            limit = request.max_chunk_bytes or self.max_chunk_bytes
+            limit = max(min(limit, self.max_chunk_bytes), self.unit_bytes)
+            async for frame in self.frames(rid, block_ids, limit, request.checksum):
+                yield frame
+        except PdServeError as exc:
+            await abort(context, exc)
+        finally:
+            self.parts.leases.end_fetch(rid)
 
     async def frames(
         self, request_id: str, block_ids: list[int], max_chunk_bytes: int, checksum: bool = False

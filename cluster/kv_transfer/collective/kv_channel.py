@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from cluster.errors import InvalidArgument, Unavailable
+from cluster.kv_transfer import registry
 
 log = logging.getLogger("ray.serve." + __name__)
 
-DIRECT_TRANSPORTS = ("gloo", "nccl")
 PREFILL_RANK, DECODE_RANK = 0, 1
 _WARM_UP_TAG = 1 << 30  # above every transfer's tag (`next_tag`)
 _ANY_HOST = ("", "0.0.0.0", "::")
@@ -66,7 +66,12 @@ def transport_device(transport: str, engine_device: torch.device) -> torch.devic
                 f"transport 'nccl' needs the model on a CUDA device, not {device}"
             )
         return device
-    raise InvalidArgument(f"no direct KV transport {transport!r}; one of {DIRECT_TRANSPORTS}")
+    raise InvalidArgument(f"no direct KV transport {transport!r}; one of {direct_transports()}")
+
+
+def direct_transports() -> tuple[str, ...]:
+    """The transports this folder serves (their names are torch.distributed backends)."""
+    return registry.served_by(__package__)
 
 
 def local_address_for(host: str) -> str:
@@ -89,7 +94,7 @@ class KVChannel:
         device: torch.device,
         timeout_s: float,
     ) -> None:
-        if transport not in DIRECT_TRANSPORTS or rank not in (PREFILL_RANK, DECODE_RANK):
+        if transport not in direct_transports() or rank not in (PREFILL_RANK, DECODE_RANK):
             raise InvalidArgument(f"bad KV channel: transport {transport!r}, rank {rank}")
         self.id = channel_id
         self.transport = transport

@@ -7,9 +7,10 @@ import asyncio
 import torch
 
 from cluster.config import TransferConfig
-from cluster.kv_transfer.collective_kv_client import CollectiveKVClient
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
-from cluster.kv_transfer.kv_client import KVClient, make_kv_client
+from cluster.kv_transfer.base import KVClient
+from cluster.kv_transfer.collective.collective_kv_client import CollectiveKVClient
+from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
+from cluster.kv_transfer.transport_factory import make_kv_client
 
 
 def test_each_transport_gets_its_client_behind_the_one_interface() -> None:
@@ -26,7 +27,7 @@ def test_each_transport_gets_its_client_behind_the_one_interface() -> None:
 
 def test_nixl_registers_the_decode_pool_and_grpc_checksums_only_when_asked() -> None:
     from cluster.engine.kv_cache import KVCache, KVLayout
-    from cluster.kv_transfer.nixl_kv_client import NixlKVClient
+    from cluster.kv_transfer.nixl.nixl_kv_client import NixlKVClient
 
     cpu = torch.device("cpu")
     layout = KVLayout("m", "float32", 2, 2, 8, 16)
@@ -44,7 +45,7 @@ def test_nixl_registers_the_decode_pool_and_grpc_checksums_only_when_asked() -> 
 
 
 def test_auto_is_nixl_where_two_agents_reach_each_other(monkeypatch) -> None:
-    from cluster.kv_transfer import nixl_pool
+    from cluster.kv_transfer.nixl import nixl_pool
     from cluster.serving.app_config import auto_transport
 
     assert nixl_pool.probe() == ""

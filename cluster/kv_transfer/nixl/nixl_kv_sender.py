@@ -1,5 +1,6 @@
-"""`NixlKVSender`: the prefill side of the `nixl` KV transport, behind `KVServer`'s ConnectNixl
-and HoldKV.
+"""`NixlKVSender`: the prefill side of the `nixl` KV transport (contract: `KVSender`): the
+ConnectNixl and HoldKV RPCs. ConnectNixl checks the handle's token and the receiver's layout,
+then `describe`s the pool; HoldKV checks and pins the lease (`lease_pins.pin`) and `hold`s it.
 
 At start it registers the engine's whole KV pool with a NIXL agent (`NixlPool`). It never sends
 anything itself: `describe` hands a decode worker the agent's metadata and the pool's geometry
@@ -15,9 +16,21 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.kv_transfer.nixl_pool import NixlPool
+import grpc
+
+from cluster.errors import InvalidArgument, PdServeError
+from cluster.kv_transfer.base import KVSender
+from cluster.kv_transfer.kv_handle import layout_from_proto
+from cluster.kv_transfer.lease_pins import (
+    SenderParts,
+    abort,
+    authenticate,
+    generated_handlers,
+    pin,
+)
+from cluster.kv_transfer.nixl.nixl_pool import NixlPool
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
+from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferServicer
 
 # 1 ms: uvloop (Ray's actor loop) rounds a timer down to whole milliseconds, so 0.5 ms made this a
 # busy loop there (a core whole while a lease was held); plain asyncio's clock gave ~1 ms anyway.
@@ -25,15 +38,46 @@ PROGRESS_INTERVAL_S = 0.001
 WIREUP_S = 2.0  # progress this long after a describe, for the reader's connection set-up
 
 
-class NixlKVSender:
-    def __init__(self, pool: KVCache, layout: KVLayout, timeout_s: float) -> None:
-        """Unavailable if NIXL is not usable in this process."""
-        self.pool = NixlPool(layout, "prefill")
-        self.region = self.pool.register(pool.k, pool.v)
-        self.timeout_s = timeout_s
+class NixlKVSender(KVSender, KVTransferServicer):
+    def __init__(self, parts: SenderParts) -> None:
+        """Registers the engine's pool; a hold lasts at most `parts.channel_timeout_s`.
+        Unavailable if NIXL is not usable in this process."""
+        self.parts = parts
+        self.pool = NixlPool(parts.layout, "prefill")
+        kv_pool = parts.async_engine.kv_pool
+        self.region = self.pool.register(kv_pool.k, kv_pool.v)
+        self.timeout_s = parts.channel_timeout_s
         self.holds = 0
         self._progress_until = 0.0
         self._progress: asyncio.Task | None = None
+
+    def handlers(self) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+        return {self.SERVICE: generated_handlers(self, ("ConnectNixl", "HoldKV"))}
+
+    async def ConnectNixl(
+        self, request: pb.ConnectNixlRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NixlPool:
+        try:
+            authenticate(self.parts.leases, request.handle)
+            if not request.HasField("receiver_layout"):
+                raise InvalidArgument("ConnectNixl needs receiver_layout")
+            self.parts.layout.check_matches(layout_from_proto(request.receiver_layout))
+            return self.describe()
+        except PdServeError as exc:
+            await abort(context, exc)
+
+    async def HoldKV(
+        self, request: pb.HoldKVRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVHeld]:
+        try:
+            rid, _ = await pin(self.parts, request)
+        except PdServeError as exc:
+            await abort(context, exc)
+        try:
+            async for held in self.hold():
+                yield held
+        finally:
+            self.parts.leases.end_fetch(rid)
 
     def describe(self) -> pb.NixlPool:
         """The agent and pool, for a decode worker about to connect (its wire-up follows)."""

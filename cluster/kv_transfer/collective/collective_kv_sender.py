@@ -1,13 +1,13 @@
-"""`CollectiveKVSender`: the prefill side of the `gloo` and `nccl` KV transports, behind
-`KVServer`'s OpenChannel, PushKV and CloseChannel.
+"""`CollectiveKVSender`: the prefill side of the `gloo` and `nccl` KV transports (contract:
+`KVSender`): the OpenChannel, PushKV and CloseChannel RPCs. OpenChannel checks the handle's
+token; PushKV checks the handle and pins its lease (`lease_pins.pin`) until the send ends.
 
 `open` makes a `KVChannel` for a decode worker (this side is rank 0) and joins it in the
 background through the one rendezvous TCPStore this sender hosts; `push` queues the send of a
 pinned lease's blocks on the channel, which gathers them (beside the engine thread,
 `AsyncEngine.read_held_kv`) on its own stream once the prefill step that wrote them is done.
 Channels are cached by id and closed after `idle_s` without a transfer, or as soon as one breaks
-(the transfer's receiver then fails with UNAVAILABLE and opens a new channel). A sender for
-another transport (`grpc`, `nixl`) serves no channels."""
+(the transfer's receiver then fails with UNAVAILABLE and opens a new channel)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,30 @@ import logging
 import math
 import secrets
 
+import grpc
 import torch
 import torch.distributed as dist
 
-from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.kv_cache import KVLayout
-from cluster.errors import FailedPrecondition, PdServeError, ResourceExhausted, Unavailable
-from cluster.kv_transfer.kv_channel import PREFILL_RANK, KVChannel, transport_device
-from cluster.kv_transfer.kv_channel_cache import KVChannelCache
+from cluster.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PdServeError,
+    ResourceExhausted,
+    Unavailable,
+)
+from cluster.kv_transfer.base import KVSender
+from cluster.kv_transfer.collective.kv_channel import PREFILL_RANK, KVChannel, transport_device
+from cluster.kv_transfer.collective.kv_channel_cache import KVChannelCache
 from cluster.kv_transfer.kv_wire import DTYPES
+from cluster.kv_transfer.lease_pins import (
+    SenderParts,
+    abort,
+    authenticate,
+    generated_handlers,
+    pin,
+)
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
-from prefill_worker.lease_keeper import LeaseKeeper
+from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferServicer
 
 log = logging.getLogger("ray.serve." + __name__)
 
@@ -40,37 +53,59 @@ class ChannelGone(PdServeError):
     grpc_code = "ABORTED"
 
 
-class CollectiveKVSender:
-    def __init__(
-        self,
-        async_engine: AsyncEngine,
-        lease_keeper: LeaseKeeper,
-        layout: KVLayout,
-        host: str,
-        transport: str,
-        *,
-        timeout_s: float,
-        idle_s: float,
-        max_channels: int,
-    ) -> None:
-        """Each channel joins and sends within `timeout_s`; at most `max_channels` are open at
-        once. InvalidArgument if this process cannot run `transport`."""
-        self.engine = async_engine
-        self.leases = lease_keeper
-        self.layout = layout
-        self.host = host
-        self.transport = transport
-        direct = transport in ("gloo", "nccl")
-        self.device = transport_device(transport, async_engine.device) if direct else None
-        self.timeout_s = timeout_s
-        self.max_channels = max_channels
-        self.channels: KVChannelCache[str] = KVChannelCache(idle_s)
+class CollectiveKVSender(KVSender, KVTransferServicer):
+    def __init__(self, parts: SenderParts) -> None:
+        """Each channel joins and sends within `parts.channel_timeout_s`, is closed after
+        `parts.channel_idle_s` unused; at most `parts.max_channels` are open at once.
+        InvalidArgument if this process cannot run `parts.transport`."""
+        if parts.channel_timeout_s <= 0 or parts.max_channels <= 0:
+            raise InvalidArgument("channel_timeout_s and max_channels must be positive")
+        self.parts = parts
+        self.engine = parts.async_engine
+        self.leases = parts.leases
+        self.layout = parts.layout
+        self.host = parts.host
+        self.transport = parts.transport
+        self.device = transport_device(parts.transport, parts.async_engine.device)
+        self.timeout_s = parts.channel_timeout_s
+        self.max_channels = parts.max_channels
+        self.channels: KVChannelCache[str] = KVChannelCache(parts.channel_idle_s)
         self._store: dist.TCPStore | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    def start(self) -> None:
-        if self.device is not None:
-            self.channels.start()
+    def handlers(self) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+        methods = ("OpenChannel", "PushKV", "CloseChannel")
+        return {self.SERVICE: generated_handlers(self, methods)}
+
+    async def OpenChannel(
+        self, request: pb.OpenChannelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenChannelResponse:
+        try:
+            authenticate(self.leases, request.handle)
+            channel_id, store_port = self.open(request.transport)
+        except PdServeError as exc:
+            await abort(context, exc)
+        return pb.OpenChannelResponse(channel_id=channel_id, store_port=store_port)
+
+    async def PushKV(
+        self, request: pb.PushKVRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PushKVResponse:
+        try:
+            rid, block_ids = await pin(self.parts, request)
+        except PdServeError as exc:
+            await abort(context, exc)
+        try:
+            return await self.push(request.channel_id, rid, block_ids)
+        except PdServeError as exc:
+            await abort(context, exc)
+
+    async def CloseChannel(
+        self, request: pb.CloseChannelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseChannelResponse:
+        return pb.CloseChannelResponse(closed=self.close(request.channel_id))
+
+    async def start(self) -> None:
+        self.channels.start()
 
     async def stop(self) -> None:
         await self.channels.stop()
@@ -82,7 +117,7 @@ class CollectiveKVSender:
     def open(self, transport: str) -> tuple[str, int]:
         """A new channel for `transport`, joined in the background: (its id, the rendezvous
         store's port)."""
-        if self.device is None or transport != self.transport:
+        if transport != self.transport:
             raise FailedPrecondition(f"this KV server serves {self.transport!r}, not {transport!r}")
         if len(self.channels) >= self.max_channels:
             raise ResourceExhausted(f"this KV server holds {self.max_channels} channels")

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, TypeVar
 
 from cluster.errors import InvalidArgument
-from cluster.kv_transfer.kv_channel import KVChannel
+from cluster.kv_transfer.collective.kv_channel import KVChannel
 
 log = logging.getLogger("ray.serve." + __name__)
 K = TypeVar("K", bound=Hashable)

@@ -10,10 +10,10 @@ one message, straight into a new tensor on `device` (the decode GPU under nccl: 
 One transfer per pair at a time. A channel the server no longer holds is reopened once; a broken
 one (peer gone, timeout, a cancelled transfer) is dropped and the fetch fails with Unavailable.
 
-The control calls (OpenChannel, PushKV, CloseChannel, ReleaseKV) go over gRPC: this client
-holds a `GrpcKVClient`, which also fetches the handles whose transport is "grpc" and releases
-every lease, and uses its channels (`KVServerStubs`), so one gRPC channel per prefill endpoint
-carries everything.
+The control calls (OpenChannel, PushKV, CloseChannel, ReleaseKV) go over gRPC, through the
+worker's `KVControl` (its channels, `KVServerStubs`: one gRPC channel per prefill endpoint
+carries everything); the handles whose transport is the baseline are fetched by the `fallback`
+client.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ import torch.distributed as dist
 
 from cluster.engine.kv_cache import KVExport, KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument, Unavailable
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
-from cluster.kv_transfer.kv_channel import (
+from cluster.kv_transfer import registry
+from cluster.kv_transfer.base import KVClient
+from cluster.kv_transfer.collective.kv_channel import (
     DECODE_RANK,
     KVChannel,
     local_address_for,
     transport_device,
 )
-from cluster.kv_transfer.kv_channel_cache import KVChannelCache
-from cluster.kv_transfer.kv_client import KVClient
+from cluster.kv_transfer.collective.kv_channel_cache import KVChannelCache
+from cluster.kv_transfer.kv_control import KVControl
 from cluster.kv_transfer.kv_handle import KVHandle, layout_to_proto, split_endpoint
 from cluster.kv_transfer.kv_server_stubs import rpc_error
 from cluster.kv_transfer.kv_wire import DTYPES
@@ -59,17 +60,18 @@ class CollectiveKVClient(KVClient):
         self,
         transport: str,
         device: torch.device,
-        max_chunk_bytes: int,
         timeout_s: float,
         *,
+        control: KVControl,
+        fallback: KVClient,
         max_blocks: int = 1 << 16,
         idle_seconds: float = 60.0,
     ) -> None:
-        """InvalidArgument if this process cannot run `transport` (nccl without CUDA)."""
-        self.grpc = GrpcKVClient(
-            max_chunk_bytes, timeout_s, max_blocks=max_blocks, idle_seconds=idle_seconds
-        )
-        self.stubs = self.grpc.stubs  # the control calls share its channel to each endpoint
+        """`control` carries the control calls, `fallback` fetches the handles of the baseline
+        transport. InvalidArgument if this process cannot run `transport` (nccl without CUDA)."""
+        self.control = control
+        self.fallback = fallback
+        self.stubs = control.stubs
         self.timeout_s = timeout_s
         self.max_blocks = max_blocks
         self.transport = transport
@@ -79,8 +81,8 @@ class CollectiveKVClient(KVClient):
 
     async def fetch(self, handle: KVHandle, receiver_layout: KVLayout) -> KVExport:
         """The KV of `handle`, checked against `receiver_layout`. The lease stays held."""
-        if handle.transport == "grpc":
-            return await self.grpc.fetch(handle, receiver_layout)
+        if handle.transport == registry.BASELINE:
+            return await self.fallback.fetch(handle, receiver_layout)
         if handle.transport != self.transport:
             raise FailedPrecondition(
                 f"KV handle of request {handle.request_id!r} uses transport "
@@ -116,12 +118,13 @@ class CollectiveKVClient(KVClient):
         raise AssertionError("unreachable")
 
     async def release(self, handle: KVHandle, reason: str) -> bool:
-        """ReleaseKV, as for any transport (`GrpcKVClient.release`)."""
-        return await self.grpc.release(handle, reason)
+        """ReleaseKV, as for every transport (`KVControl.release`)."""
+        return await self.control.release(handle, reason)
 
     async def close(self) -> None:
         await self.channels.stop()
-        await self.grpc.close()
+        await self.fallback.close()
+        await self.control.close()
 
     # -- one transfer ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 
 from cluster.engine.kv_cache import KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument, Unavailable
-from cluster.kv_transfer.nixl_pool import NixlPool, check_description, load_nixl
+from cluster.kv_transfer.nixl.nixl_pool import NixlPool, check_description, load_nixl
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
 try:

@@ -13,10 +13,10 @@ All agent calls run on one worker thread, one at a time (the agent is not thread
 of a 2k-token prompt is tens of milliseconds of memory copy, which must not block the event
 loop. `fetch` (new tensors, for callers without a pool) registers them for the one READ.
 
-Control calls and `release` go through a `GrpcKVClient` (one gRPC channel per prefill endpoint),
-which also fetches handles whose transport is "grpc". A peer that cannot be loaded (NIXL
-refuses its metadata; the pools cannot reach each other) is remembered and its handles are
-fetched over gRPC instead, which every KV server serves.
+Control calls and `release` go through the worker's `KVControl` (one gRPC channel per prefill
+endpoint); handles whose transport is the baseline are fetched by the `fallback` client. A peer that
+cannot be loaded (NIXL refuses its metadata; the pools cannot reach each other) is remembered and
+its handles are fetched over gRPC instead, which every KV server serves.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import torch
 
 from cluster.engine.kv_cache import KVCache, KVExport, KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument, PdServeError, Unavailable
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
-from cluster.kv_transfer.kv_client import KVClient, settle
+from cluster.kv_transfer.base import KVClient, settle
+from cluster.kv_transfer.kv_control import KVControl
 from cluster.kv_transfer.kv_handle import KVHandle, layout_to_proto
 from cluster.kv_transfer.kv_server_stubs import rpc_error
 from cluster.kv_transfer.kv_wire import DTYPES
-from cluster.kv_transfer.nixl_pool import NixlPool, Peer, Region
+from cluster.kv_transfer.nixl.nixl_pool import NixlPool, Peer, Region
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger("ray.serve." + __name__)
@@ -46,19 +46,21 @@ class NixlKVClient(KVClient):
     def __init__(
         self,
         pool: KVCache | None,
-        max_chunk_bytes: int,
         timeout_s: float,
         *,
+        control: KVControl,
+        fallback: KVClient,
         max_blocks: int = 1 << 16,
         idle_seconds: float = 60.0,
         telemetry: bool = False,
     ) -> None:
         """Registers `pool` (the decode engine's) for `fetch_into`; without one, only `fetch`
-        READs (into tensors it registers per call). Unavailable if NIXL is not usable here."""
-        self.grpc = GrpcKVClient(
-            max_chunk_bytes, timeout_s, max_blocks=max_blocks, idle_seconds=idle_seconds
-        )
-        self.stubs = self.grpc.stubs
+        READs (into tensors it registers per call). `control` carries its control calls,
+        `fallback` fetches the handles it does not READ. Unavailable if NIXL is not usable
+        here."""
+        self.control = control
+        self.fallback = fallback
+        self.stubs = control.stubs
         self.timeout_s = timeout_s
         self.max_blocks = max_blocks
         self.idle_seconds = idle_seconds
@@ -78,7 +80,7 @@ class NixlKVClient(KVClient):
     async def fetch(self, handle: KVHandle, receiver_layout: KVLayout) -> KVExport:
         """The KV of `handle` in new tensors (registered for this READ only)."""
         if not self._uses_nixl(handle):
-            return await self.grpc.fetch(handle, receiver_layout)
+            return await self.fallback.fetch(handle, receiver_layout)
         self._check(handle, receiver_layout)
         n = len(handle.block_ids)
         shape = (receiver_layout.num_layers, n, *receiver_layout.block_shape)
@@ -90,7 +92,7 @@ class NixlKVClient(KVClient):
         try:
             await self._read(handle, receiver_layout, scratch, list(range(n)))
         except _UseGrpc:
-            return await self.grpc.fetch(handle, receiver_layout)
+            return await self.fallback.fetch(handle, receiver_layout)
         finally:
             await self._run(self.agent.unregister, scratch)
         return KVExport(receiver_layout, handle.num_tokens, k, v)
@@ -110,11 +112,12 @@ class NixlKVClient(KVClient):
         return 2 * pool.layout.num_layers * len(block_ids) * self.region.block_bytes
 
     async def release(self, handle: KVHandle, reason: str) -> bool:
-        """ReleaseKV, as for any transport (`GrpcKVClient.release`)."""
-        return await self.grpc.release(handle, reason)
+        """ReleaseKV, as for every transport (`KVControl.release`)."""
+        return await self.control.release(handle, reason)
 
     async def close(self) -> None:
-        await self.grpc.close()
+        await self.fallback.close()
+        await self.control.close()
         self.peers.clear()
         if self.agent is not None:
             await self._run(self.agent.close)

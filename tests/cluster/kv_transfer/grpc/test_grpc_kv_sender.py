@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cluster.errors import Unavailable
+from cluster.kv_transfer.grpc import grpc_kv_sender
 from cluster.kv_transfer.kv_frame import decode_frame, encode_frame
-from prefill_worker import grpc_kv_sender
-from tests.prefill_worker.kv_pair import colocated, pair, prompt, run
+from tests.cluster.kv_transfer.kv_pair import colocated, pair, prompt, run
 
 
 def test_corrupted_or_mislabelled_chunks_are_refused_as_unavailable(

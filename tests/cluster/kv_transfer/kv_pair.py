@@ -17,9 +17,9 @@ from cluster.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVExport
+from cluster.kv_transfer.base import KVClient
 from cluster.kv_transfer.capability import Capability
-from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
-from cluster.kv_transfer.kv_client import KVClient
+from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams

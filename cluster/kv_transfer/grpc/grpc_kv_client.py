@@ -4,27 +4,25 @@
 checks it chunk by chunk against the receiver's own layout (`kv_wire.ChunkAssembler`) before
 copying; `fetch_into` copies each chunk straight into the caller's (host) pool blocks, the one
 copy on this side. Chunk checksums are asked for and checked only with `checksum`. `release`
-is a ReleaseKV call, `cancel_prefill` (the router's) a CancelPrefill call. The channels to the
-servers are `KVServerStubs`.
+is a ReleaseKV call (`KVControl`, whose channels to the servers, `KVServerStubs`, FetchKV
+shares).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import grpc
 
 from cluster.engine.kv_cache import KVCache, KVExport, KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument, Unavailable
-from cluster.kv_transfer.kv_client import KVClient, settle
+from cluster.kv_transfer.base import KVClient, settle
+from cluster.kv_transfer.kv_control import KVControl
 from cluster.kv_transfer.kv_frame import decode_frame
 from cluster.kv_transfer.kv_handle import KVHandle, layout_to_proto
-from cluster.kv_transfer.kv_server_stubs import KVServerStubs, rpc_error
+from cluster.kv_transfer.kv_server_stubs import rpc_error
 from cluster.kv_transfer.kv_wire import ChunkAssembler, unit_bytes
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
-
-log = logging.getLogger("ray.serve." + __name__)
 
 
 class GrpcKVClient(KVClient):
@@ -36,10 +34,12 @@ class GrpcKVClient(KVClient):
         max_blocks: int = 1 << 16,
         idle_seconds: float = 60.0,
         checksum: bool = False,
+        control: KVControl | None = None,
     ):
         """`max_blocks` caps the KV one fetch may allocate (the decode pool's size is apt);
         every call has a `timeout_s` deadline; a channel unused for `idle_seconds` is closed;
-        with `checksum` every chunk's checksum is asked for and checked."""
+        with `checksum` every chunk's checksum is asked for and checked. `control`: the
+        channels to share with other clients (by default, its own)."""
         if min(max_chunk_bytes, timeout_s, max_blocks, idle_seconds) <= 0:
             raise InvalidArgument(
                 "max_chunk_bytes, timeout_s, max_blocks and idle_seconds must be positive"
@@ -48,7 +48,8 @@ class GrpcKVClient(KVClient):
         self.timeout_s = timeout_s
         self.max_blocks = max_blocks
         self.checksum = checksum
-        self.stubs = KVServerStubs(max_chunk_bytes, timeout_s, idle_seconds)
+        self.control = control or KVControl(max_chunk_bytes, timeout_s, idle_seconds)
+        self.stubs = self.control.stubs
 
     async def fetch(self, handle: KVHandle, receiver_layout: KVLayout) -> KVExport:
         """The KV of `handle`, checked against `receiver_layout`. The lease stays held."""
@@ -108,43 +109,8 @@ class GrpcKVClient(KVClient):
                 await settle(asyncio.gather(adding, return_exceptions=True))
 
     async def release(self, handle: KVHandle, reason: str) -> bool:
-        """ReleaseKV ("fetched" or "aborted"). Best effort: False if nothing was freed or the
-        call failed (the lease then expires on its own)."""
-        request = pb.ReleaseKVRequest(
-            request_id=handle.request_id, capability_token=handle.capability_token, reason=reason
-        )
-        stub = self.stubs.stub(handle.endpoint)
-        try:
-            response = await stub.ReleaseKV(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            log.warning(
-                "ReleaseKV %s on %s failed: %s %s",
-                handle.request_id,
-                handle.endpoint,
-                exc.code().name,
-                exc.details(),
-            )
-            return False
-        return response.released
-
-    async def cancel_prefill(self, endpoint: str, request_id: str, token: bytes) -> bool:
-        """CancelPrefill `request_id` on the prefill worker at `endpoint`. Best effort: False
-        if no lease was ended or the call failed."""
-        request = pb.CancelPrefillRequest(request_id=request_id, cancel_token=token)
-        try:
-            response = await self.stubs.stub(endpoint).CancelPrefill(
-                request, timeout=self.timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning(
-                "CancelPrefill %s on %s failed: %s %s",
-                request_id,
-                endpoint,
-                exc.code().name,
-                exc.details(),
-            )
-            return False
-        return response.released
+        """ReleaseKV, as for every transport (`KVControl.release`)."""
+        return await self.control.release(handle, reason)
 
     async def close(self) -> None:
-        await self.stubs.close()
+        await self.control.close()

@@ -14,18 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVExport
 from cluster.errors import FailedPrecondition, InvalidArgument, Unauthenticated, Unavailable
 from cluster.kv_transfer.capability import Capability
-from cluster.kv_transfer.collective_kv_client import CollectiveKVClient
-from cluster.kv_transfer.kv_channel import transport_device
+from cluster.kv_transfer.collective.collective_kv_client import CollectiveKVClient
+from cluster.kv_transfer.collective.kv_channel import transport_device
 from cluster.kv_transfer.kv_handle import KVHandle
+from cluster.kv_transfer.transport_factory import make_kv_client
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
-from tests.prefill_worker.kv_pair import (
+from tests.cluster.kv_transfer.kv_pair import (
     BLOCK_SIZE,
     MAX_CHUNK_BYTES,
     Pair,
@@ -43,6 +44,11 @@ class CollectivePair(Pair):
 
     client: CollectiveKVClient
     transport: str = "gloo"
+
+    @property
+    def sender(self):
+        """The server's sender of this transport."""
+        return self.server.senders[self.transport]
 
     async def prefill_handle(self, rid: str, ids: tuple[int, ...]) -> KVHandle:
         return replace(await super().prefill_handle(rid, ids), transport=self.transport)
@@ -81,14 +87,17 @@ async def collective_pair(
         channel_idle_s=idle_seconds,
     )
     endpoint = await server.start()
-    client = CollectiveKVClient(
-        transport,
+    client = make_kv_client(
+        TransferConfig(
+            transport=transport,
+            max_chunk_bytes=MAX_CHUNK_BYTES,
+            fetch_timeout_seconds=timeout_s,
+            channel_idle_seconds=idle_seconds,
+        ),
         decode.device,
-        MAX_CHUNK_BYTES,
-        timeout_s,
-        max_blocks=32,
-        idle_seconds=idle_seconds,
+        32,
     )
+    assert isinstance(client, CollectiveKVClient)
     p = CollectivePair(prefill, decode, leases, server, client, endpoint, transport)
     try:
         yield p
@@ -102,7 +111,7 @@ async def collective_pair(
 async def _settle(p: CollectivePair) -> None:
     """Sends end on the server a moment after the receiver has the data."""
     for _ in range(200):
-        if p.leases.outstanding() == 0 and not p.server.collective._tasks:
+        if p.leases.outstanding() == 0 and not p.sender._tasks:
             return
         await asyncio.sleep(0.01)
 
@@ -122,13 +131,13 @@ def test_pushed_kv_decodes_like_a_colocated_run_over_one_cached_group(llama_dir:
             assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
             assert got.num_tokens == 40 and tuple(got.k.shape[:2]) == (2, 3)
             (channel,) = p.client.channels._channels.values()
-            assert len(p.server.collective.channels) == 1
+            assert len(p.sender.channels) == 1
             # Concurrent fetches over the same pair share (and queue on) the cached group.
             tokens = await asyncio.gather(
                 *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
             )
             assert p.client.channels.get(p.endpoint) is channel and not channel.closed
-            assert len(p.server.collective.channels) == 1
+            assert len(p.sender.channels) == 1
             assert (p.leases.granted, p.leases.fetched, p.leases.expired) == (3, 3, 0)
             # A fetch after release finds no lease (NOT_FOUND on the wire) and keeps the group.
             with pytest.raises(Unavailable, match="expired or was released"):
@@ -149,9 +158,9 @@ def test_idle_groups_are_evicted_on_both_sides_and_reopened(llama_dir: Path) -> 
                 llama_dir, "r1", ids
             )
             old = p.client.channels.get(p.endpoint)
-            assert old is not None and len(p.server.collective.channels) == 1
+            assert old is not None and len(p.sender.channels) == 1
             await asyncio.sleep(1.0)
-            assert len(p.client.channels) == 0 and len(p.server.collective.channels) == 0
+            assert len(p.client.channels) == 0 and len(p.sender.channels) == 0
             assert old.closed and p.client.channels.evicted == 1
             tokens = await p.fetch_and_decode(await p.prefill_handle("r2", ids), ids)
             assert tokens == colocated(llama_dir, "r2", ids)
@@ -168,11 +177,11 @@ def test_a_group_the_server_dropped_is_reopened_once(llama_dir: Path) -> None:
             await p.fetch_and_decode(await p.prefill_handle("r1", ids), ids)
             old = p.client.channels.get(p.endpoint)
             # The prefill side closes its end (as after an idle eviction or a failed send).
-            assert p.server.collective.channels.drop(old.id)
+            assert p.sender.channels.drop(old.id)
             tokens = await p.fetch_and_decode(await p.prefill_handle("r2", ids), ids)
             assert tokens == colocated(llama_dir, "r2", ids)
             new = p.client.channels.get(p.endpoint)
-            assert old.closed and new is not old and len(p.server.collective.channels) == 1
+            assert old.closed and new is not old and len(p.sender.channels) == 1
 
     run(main())
 
@@ -184,12 +193,12 @@ def test_a_broken_group_fails_the_transfer_as_unavailable(llama_dir: Path) -> No
             await p.fetch_and_decode(await p.prefill_handle("r1", ids), ids)
             # The prefill side's group dies but its channel is still listed: the push is
             # accepted, the send fails there, the receive times out here.
-            server_end = p.server.collective.channels.get(p.client.channels.get(p.endpoint).id)
+            server_end = p.sender.channels.get(p.client.channels.get(p.endpoint).id)
             server_end._worker.submit(server_end._teardown).result()
             handle = await p.prefill_handle("r2", ids)
             with pytest.raises(Unavailable, match="broke"):
                 await p.client.fetch(handle, p.decode.layout)
-            assert len(p.client.channels) == 0 and len(p.server.collective.channels) == 0
+            assert len(p.client.channels) == 0 and len(p.sender.channels) == 0
             # The lease survived; the next fetch opens a new group.
             assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r2", ids)
 
@@ -209,7 +218,7 @@ def test_wrong_token_is_unauthenticated_before_and_after_the_group_exists(
             forged = replace(handle, capability_token=bytes(32))
             with pytest.raises(Unauthenticated):  # refused by OpenChannel
                 await p.client.fetch(forged, p.decode.layout)
-            assert len(p.client.channels) == 0 and len(p.server.collective.channels) == 0
+            assert len(p.client.channels) == 0 and len(p.sender.channels) == 0
             other = replace(handle, capability_token=Capability(b"x").token("r1", handle.block_ids))
             assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
             handle = await p.prefill_handle("r2", ids)
@@ -265,7 +274,7 @@ def test_grpc_handles_still_travel_over_grpc(llama_dir: Path) -> None:
             ids = prompt(20, 10)
             handle = replace(await p.prefill_handle("r1", ids), transport="grpc")
             assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
-            assert len(p.client.channels) == 0 and len(p.server.collective.channels) == 0
+            assert len(p.client.channels) == 0 and len(p.sender.channels) == 0
 
     run(main())
 

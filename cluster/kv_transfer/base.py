@@ -1,6 +1,6 @@
-"""`KVClient`: the decode side of every KV transport, and `make_kv_client`, which picks one.
+"""The two ends every KV transport implements, and what each is built from.
 
-Ownership contract, the same for every transport:
+`KVClient` is the decode side. Ownership contract, the same for every transport:
 
 - A `KVHandle` names KV that a prefill replica holds under a lease. It stays fetchable until
   the lease ends: released ("fetched" or "aborted", by anyone holding the handle) or expired at
@@ -25,27 +25,40 @@ network call when the handle already shows it); a bad token is Unauthenticated; 
 released or unknown lease, an unreachable server or a malformed transfer is Unavailable (the
 router may retry the request from prefill); a fetch over the client's timeout is
 DeadlineExceeded.
+
+`KVSender` is the prefill side: the handlers of the transport's RPCs, which the prefill
+worker's KV server mounts beside its own (ReleaseKV, CancelPrefill). Contract:
+
+- Before it reads a lease's blocks, a handler checks the presented handle and pins its lease
+  (`lease_pins.pin`: token, layouts, lease live); the pin lasts while anything may read those
+  blocks and is then ended (`LeasePins.end_fetch`), also when the call fails or is cancelled.
+  It never ends the lease itself: the decode side releases it (ReleaseKV) or it expires.
+- Reads of the pool go through `AsyncEngine.read_held_kv`, beside the engine thread.
+- A refusal is a pdserve error turned into the call's status (`lease_pins.abort`).
+- `start` runs once the server is bound, on its event loop; `stop` ends whatever the sender
+  runs in the background and unpins what it still holds.
+
+Both are built by their transport's package (`registry`) from `ClientParts` / `SenderParts`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from cluster.errors import Unavailable
-
 if TYPE_CHECKING:
+    import grpc
     import torch
 
     from cluster.config import TransferConfig
     from cluster.engine.kv_cache import KVCache, KVExport, KVLayout
+    from cluster.kv_transfer.kv_control import KVControl
     from cluster.kv_transfer.kv_handle import KVHandle
 
 T = TypeVar("T")
-log = logging.getLogger("ray.serve." + __name__)
 
 
 class KVClient(ABC):
@@ -69,32 +82,36 @@ class KVClient(ABC):
         """Close every channel this client opened."""
 
 
-def make_kv_client(
-    transfer: TransferConfig, device: torch.device, max_blocks: int, pool: KVCache | None = None
-) -> KVClient:
-    """The KV client for `transfer.transport`, chosen once, when a decode worker starts;
-    `device` is the decode engine's, `max_blocks` caps what one fetch may allocate, `pool` is
-    the engine's KV pool (the `nixl` client registers it for `fetch_into`)."""
-    # Imported here: the implementations import this module for `KVClient`.
-    from cluster.kv_transfer.collective_kv_client import CollectiveKVClient
-    from cluster.kv_transfer.grpc_kv_client import GrpcKVClient
-    from cluster.kv_transfer.nixl_kv_client import NixlKVClient
+@dataclass(frozen=True)
+class ClientParts:
+    """What a decode worker's KV client is built from: the transfer settings, the decode
+    engine's `device` and KV `pool` (None: `fetch` only), `max_blocks` (the most one fetch may
+    allocate), `control` (the gRPC channels to every KV server, for control calls and
+    ReleaseKV, shared by all the clients of one worker) and `fallback`, the baseline
+    transport's client for handles that name it (None when building the baseline itself)."""
 
-    args = (transfer.max_chunk_bytes, transfer.fetch_timeout_seconds)
-    idle = transfer.channel_idle_seconds
-    if transfer.transport == "grpc":
-        return GrpcKVClient(
-            *args, max_blocks=max_blocks, idle_seconds=idle, checksum=transfer.checksum
-        )
-    if transfer.transport == "nixl":
-        try:
-            return NixlKVClient(pool, *args, max_blocks=max_blocks, idle_seconds=idle)
-        except Unavailable as exc:  # every KV server serves FetchKV too
-            log.warning("KV client falls back to grpc: %s", exc.message)
-            return GrpcKVClient(*args, max_blocks=max_blocks, idle_seconds=idle)
-    return CollectiveKVClient(
-        transfer.transport, device, *args, max_blocks=max_blocks, idle_seconds=idle
-    )
+    transfer: TransferConfig
+    device: torch.device
+    max_blocks: int
+    pool: KVCache | None
+    control: KVControl
+    fallback: KVClient | None = None
+
+
+class KVSender(ABC):
+    """The prefill side of one transport (contract: this module's docstring)."""
+
+    SERVICE = "pdserve.v1.KVTransfer"
+
+    @abstractmethod
+    def handlers(self) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+        """The RPC handlers this transport serves: {service name: {method name: handler}}."""
+
+    async def start(self) -> None:  # noqa: B027 (most senders have nothing to start)
+        """Called once the server is bound, on its event loop."""
+
+    async def stop(self) -> None:  # noqa: B027
+        """End background work; unpin every lease still pinned."""
 
 
 async def settle(work: Awaitable[T]) -> T:

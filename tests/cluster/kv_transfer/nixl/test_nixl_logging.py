@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from cluster.errors import Unavailable
-from cluster.kv_transfer.nixl_pool import load_nixl
+from cluster.kv_transfer.nixl.nixl_pool import load_nixl
 
 # As Serve sets up a replica's logger: a MemoryHandler in front of the log file.
 CHILD = """
@@ -20,7 +20,7 @@ logger = logging.getLogger("ray.serve")
 logger.addHandler(logging.handlers.MemoryHandler(1, target=log_file))
 logger.setLevel(logging.INFO)
 logging.getLogger("ray.serve.replica").info("before")
-from cluster.kv_transfer.nixl_pool import load_nixl
+from cluster.kv_transfer.nixl.nixl_pool import load_nixl
 load_nixl()
 logging.getLogger("ray.serve.replica").info("after")
 """

@@ -3,9 +3,9 @@
 SETTINGS, PING, flow control, stream states, protocol errors), gRPC's framing on top.
 
 Why not grpc.aio: its server makes one `sendmsg` for every message it streams, and with the
-state it keeps around each it cost ~40 µs of CPU per message on the test machine; here every
+state it keeps around each it cost more CPU per message than the rest of the router; here every
 message a loop turn produces for a connection (an engine step's tokens for all its streams)
-goes out in one socket write, the turn after (`benchmarks/router_path_bench.py` measures both).
+goes out in one socket write, the turn after (the serving benchmark's gRPC reference rows).
 
 Backpressure is HTTP/2's: a response the stream's or the connection's send window does not
 take waits in its call (`GrpcCall.pending`), and the call's next message waits with it, so the

@@ -9,7 +9,7 @@ wrappers around the router (pickled with its gRPC context, a thread hop and back
 Clients need no change beyond the address; Serve's proxy keeps serving the same API on its
 port. The endpoint speaks gRPC over HTTP/2 itself (router/grpc_connection.py, one
 `GrpcCall` per call, router/grpc_call.py) rather than through grpc.aio, to write each loop
-turn's messages for a connection at once (`benchmarks/router_path_bench.py`).
+turn's messages for a connection at once (grpc.aio writes each one on its own).
 
 What Serve does not see here: the router deployment's own `max_ongoing_requests` and queue
 limit, and its autoscaling signal, count proxied requests only. The pools behind the router are

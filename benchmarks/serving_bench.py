@@ -52,6 +52,7 @@ PROMPT = 16  # tokens a prompt
 def parse_args(argv: list[str]):
     p = report.served_parser(__doc__, "serving", preset="tiny")
     report.add_threads_option(p)
+    p.set_defaults(threads=1)  # as each replica's engine
     p.add_argument("--streams", default="1,64", help="N values, comma-separated")
     p.add_argument("--tokens", type=int, default=256, help="output tokens per stream")
     p.add_argument("--paths", default=",".join(PATHS), help="proxy, direct or both")
@@ -82,7 +83,7 @@ def app_config(checkpoint: str, a) -> AppConfig:
     pool = PoolConfig(
         num_cpus=0.25,
         num_gpus=0.4 if a.device.startswith("cuda") else 0,
-        torch_threads=a.threads or 1,
+        torch_threads=a.threads,
         cache=CacheConfig(block_size=16, num_blocks=most * per_stream + 64),
         scheduler=SchedulerConfig(max_num_seqs=max(most, 8), max_num_batched_tokens=512),
     )
@@ -236,7 +237,7 @@ def render(a, argv: list[str], points: list[Point], transport: str, wall_s: floa
     cores = ",".join(map(str, a.decode_engine_cpus)) or "unpinned"
     lines = [
         *report.header("Serving-path capacity", "serving_bench", argv, a.device),
-        f"- `{a.preset}` preset, {a.dtype} on {a.device}, {a.threads or 1} torch thread(s) an "
+        f"- `{a.preset}` preset, {a.dtype} on {a.device}, {a.threads} torch thread(s) an "
         f"engine; 1 router, 1 prefill, 1 decode replica; KV over {transport}; decode engine "
         f"thread {cores}; {a.tokens} tokens a stream, {PROMPT}-token prompts; "
         f"{a.repeats} round(s) each; wall time {wall_s:.0f} s",

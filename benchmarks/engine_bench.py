@@ -1,26 +1,16 @@
-"""Decode and prefill throughput of pdserve's Engine beside transformers, on one CPU checkpoint.
+"""pdserve's Engine beside transformers: decode and prefill throughput on one checkpoint.
 
     python -m benchmarks.engine_bench [--quick] [--batches 1,8,32,128] [--out FILE] [--json FILE]
 
 Three systems run the same greedy workload (B random prompts of `--prompt-len` tokens, exactly
-`--decode-len` new tokens each, EOS ignored) in the same dtype on the same device: fp32 on the
-CPU's threads by default, or `--device cuda --dtype bfloat16` on a GPU:
-
-- pdserve: `Engine.step()` until done, one engine whose KV pool fits the largest batch;
-- transformers `model.generate()`: one left-padded batch, `min_new_tokens == max_new_tokens`;
-- transformers `model.generate_batch()`: its continuous-batching manager, model loaded with
-  `attn_implementation="sdpa"` (besides `paged|eager` the only non-flash implementation it
-  accepts; flash needs CUDA) and a `ContinuousBatchingConfig` giving page size, pool size and
-  the same per-step token budget as pdserve (its defaults size the pool from GPU memory).
-
-Every system reports, per request, the time each token appeared. From those: prefill tok/s is
-`B * prompt_len` over the time from the first forward to the last request's first token, and
-decode tok/s counts the tokens produced after that moment over the time to the last token, so
-prefill never leaks into the decode number. The batch-1 bandwidth floor is the checkpoint's
-weight bytes over a measured `dst.copy_(src)` rate on the same device: a batch-1 decode step must
-read every weight. The systems are in `engine_systems`, the measurements in `engine_workload`,
-the report in `engine_report`; the report goes to `benchmarks/results/engine.md` by default,
-and `--json` writes the same figures machine-readable (`benchmarks.gpu_summary` reads them).
+`--decode-len` new tokens each, EOS ignored) in the same dtype on the same device (fp32 on the
+CPU by default, or `--device cuda --dtype bfloat16`): pdserve's `Engine.step()` until done;
+transformers `generate()` on one left-padded batch; transformers `generate_batch()`, its
+continuous batching (`sdpa`, the same per-step token budget as pdserve). Prefill tok/s is
+`B * prompt_len` over the time until the last request's first token; decode tok/s counts the
+tokens after that moment, so prefill never leaks into it. The batch-1 floor is the weight bytes
+over a measured copy rate on the device: a batch-1 decode step must read every weight. `--json`
+writes the figures for `benchmarks.gpu_summary`.
 """
 
 from __future__ import annotations
@@ -69,25 +59,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EngineBenchC
     p.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --quick)")
     p.add_argument("--decode-len", type=int, default=None, help="default 64 (8 with --quick)")
     p.add_argument("--batches", default=None, help="default 1,8,32,128 (1,2 with --quick)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--batch-tokens",
-        type=int,
-        default=None,
-        help=f"tokens/step for pdserve and generate_batch (default {CPU_BENCH_TOKENS}; on a GPU "
-        f"{GPU_BATCHED_TOKENS}, what a served GPU engine gets)",
-    )
-    p.add_argument("--copy-mib", type=int, default=None, help="default 1024 (64 with --quick)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     p.add_argument("--repeats", type=int, default=1, help="runs per cell; the best is reported")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; every system runs there")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    p.add_argument(
-        "--no-packed-weights",
-        action="store_true",
-        help="pdserve without its packed fp32 GEMM weights (ModelConfig.packed_weights=False)",
-    )
     p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
@@ -112,15 +87,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EngineBenchC
         prompt_len=prompt_len,
         decode_len=decode_len,
         batches=batches,
-        block_size=a.block_size,
-        batch_tokens=a.batch_tokens
-        or (GPU_BATCHED_TOKENS if a.device.startswith("cuda") else CPU_BENCH_TOKENS),
-        copy_mib=a.copy_mib or (64 if q else 1024),
+        block_size=16,
+        batch_tokens=GPU_BATCHED_TOKENS if a.device.startswith("cuda") else CPU_BENCH_TOKENS,
+        copy_mib=64 if q else 1024,
         repeats=a.repeats,
-        seed=a.seed,
+        seed=0,
         device=a.device,
         dtype=a.dtype,
-        packed_weights=not a.no_packed_weights,
         cuda_graphs=a.cuda_graphs,
     )
     return a, cfg

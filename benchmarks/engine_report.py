@@ -64,8 +64,7 @@ def _setup(
         f"- CPUs this process may use: {len(os.sched_getaffinity(0))}",
         f"- {torch.get_num_threads()} torch threads; transformers {transformers.__version__}",
         f"- device: {cfg.device} ({device_name(cfg.device)}), dtype {cfg.dtype}; pdserve "
-        f"packed weights {'on' if cfg.packed_weights else 'off'}, CUDA-graph decode "
-        f"{'on' if cfg.cuda_graphs and cfg.device.startswith('cuda') else 'off'}",
+        f"CUDA-graph decode {'on' if cfg.cuda_graphs and cfg.device.startswith('cuda') else 'off'}",
         f"- model: `{cfg.preset}` preset at `{cfg.model_dir}`; a batch-1 step reads "
         f"{weight_bytes / 1e6:,.1f} MB of weights",
         f"- workload: random prompts of {cfg.prompt_len} tokens, {cfg.decode_len} greedy new "

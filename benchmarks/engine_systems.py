@@ -23,23 +23,13 @@ class PdserveRunner:
     def __init__(self, cfg: EngineBenchConfig) -> None:
         biggest = max(cfg.batches)
         per_seq = -(-(cfg.prompt_len + cfg.decode_len) // cfg.block_size)
-        self.engine = Engine(
-            EngineConfig(
-                model=ModelConfig(
-                    path=str(cfg.model_dir),
-                    dtype=cfg.dtype,
-                    device=cfg.device,
-                    packed_weights=cfg.packed_weights,
-                    cuda_graphs=cfg.cuda_graphs,
-                ),
-                cache=CacheConfig(block_size=cfg.block_size, num_blocks=biggest * per_seq + 8),
-                scheduler=SchedulerConfig(
-                    max_num_seqs=biggest, max_num_batched_tokens=cfg.batch_tokens
-                ),
-            )
+        model = ModelConfig(
+            str(cfg.model_dir), dtype=cfg.dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs
         )
-        self.cfg = cfg
-        self.runs = 0
+        cache = CacheConfig(block_size=cfg.block_size, num_blocks=biggest * per_seq + 8)
+        batch = SchedulerConfig(max_num_seqs=biggest, max_num_batched_tokens=cfg.batch_tokens)
+        self.engine = Engine(EngineConfig(model=model, cache=cache, scheduler=batch))
+        self.cfg, self.runs = cfg, 0
 
     @property
     def vocab_size(self) -> int:

@@ -29,7 +29,6 @@ class EngineBenchConfig:
     seed: int
     device: str = "cpu"
     dtype: str = "float32"
-    packed_weights: bool = True  # pdserve's ModelConfig.packed_weights
     cuda_graphs: bool = True  # pdserve's ModelConfig.cuda_graphs (decode graphs on a GPU)
 
     @property

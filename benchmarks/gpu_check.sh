@@ -1,48 +1,34 @@
 #!/usr/bin/env bash
 # The project's GPU checks in one run, for a machine with one CUDA GPU. The default stages are
-# what issue 20's acceptance needs, and their limits (with 10 s to kill each) add up to 500 s,
-# so the run fits one 600-s device call with time to spare:
-#   tests: the `gpu`-marked tests, found by their marker (CUDA engine vs the transformers oracle
-#      in fp32 and bf16, CUDA-graph replay vs eager, the Triton kernels vs torch, KV export and
-#      import on the GPU, gRPC and gloo KV transfer between GPU engines);
-#   engine: the engine benchmark, `small` bf16, batches 1 and 128 (prefill of 128 x 128 tokens
-#      against HF generate), CUDA-graph decode;
-#   engine-eager: the same with --no-cuda-graphs (every step eager), for the graphs' gain;
-#   engine-1b: the `1b` preset (Llama-3.2-1B-shaped; weights drawn on the GPU), bf16, batch 1,
-#      against its weight-read floor.
-# Then one acceptance table (benchmarks/gpu_summary.py: each figure of issue 20 beside its
-# target, PASS, FAIL or "not measured") is printed and heads $OUT/README.md.
+# what issue 20's acceptance needs; their limits (with 10 s to kill each) fit one 600-s call:
+#   tests: the `gpu`-marked tests, found by their marker;
+#   engine: the engine benchmark, `small` bf16, batches 1 and 128, CUDA-graph decode;
+#   engine-eager: the same with --no-cuda-graphs, for the graphs' gain;
+#   engine-1b: the `1b` preset, bf16, batch 1, against its weight-read floor.
+# Then benchmarks/gpu_summary.py prints one acceptance table (each figure beside its target,
+# PASS, FAIL or "not measured"), which heads $OUT/README.md.
 # By name only, in GPU_CHECK_STAGES:
 #   engine-fp32: the engine benchmark in fp32 at batches 1 and 32;
-#   kv: the KV transports between two processes sharing the GPU (a prefill process and the
-#      decode side, each with its pool in GPU memory): grpc, gloo and nixl (CUDA IPC through
-#      UCX) side by side at 512 and 2,046 tokens, bit-exact; issue 19's targets for nixl are
-#      <= 2 ms and <= 5% of TTFT at 2,046 tokens (NIXL from a bundle built with --nixl);
+#   kv: the KV transports between two processes sharing the GPU (grpc, gloo, nixl over CUDA
+#      IPC; NIXL from a bundle built with --nixl);
 #   serving-gpu: the serving benchmark with every engine replica on the GPU (needs Ray);
-#   serving-cpu: the serving benchmark on the machine's CPUs (fp32, 4 torch threads per engine
-#      and for the baseline), disaggregated app only, 41 pairs: the Serve + gRPC overhead per
-#      token where the engine does not take every core, with enough pairs for the confidence
-#      interval to decide the <= 1 ms target (5 pairs on 2026-11-30 gave +1.19 ms, runs
-#      -2.2..+3.8); its limit of 330 s wants a device call of its own.
+#   serving-cpu: the serving benchmark on the machine's CPUs (fp32, 4 torch threads an engine),
+#      N = 1 through the proxy, 41 pairs: the latency serving adds per token where the engine
+#      does not take every core, enough pairs for the interval to decide the 1-ms target; a
+#      device call of its own.
 # Each stage has its own time limit and the script goes on after a failure; the exit status is
-# the number of failed stages. A stage's files are $OUT/NAME.* (its log, report and figures),
-# removed as it starts, so a stale file never stands in for a failed stage. $OUT (default
-# ./gpu-results)/README.md puts them together in one report (the acceptance table, date, commit,
-# machine, each stage's log tail and report): copy it to benchmarks/results/gpu/README.md, the
-# current GPU report. Without a .git (a `git archive` copy), set PDSERVE_COMMIT to the commit.
+# the number of failed stages. A stage's files are $OUT/NAME.* (log, report, figures), removed
+# as it starts, so a stale file never stands in for a failed stage. $OUT (default
+# ./gpu-results)/README.md puts them together: copy it to benchmarks/results/gpu/README.md.
+# Without a .git (a `git archive` copy), set PDSERVE_COMMIT to the commit.
 #
-#   bash benchmarks/gpu_check.sh                 # issue 20's acceptance, <= 500 s
-#   GPU_CHECK_STAGES="tests engine" bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh                 # issue 20's acceptance
 #   GPU_CHECK_STAGES="kv serving-gpu" bash benchmarks/gpu_check.sh
-#   GPU_CHECK_STAGES=serving-cpu bash benchmarks/gpu_check.sh   # the added-latency target alone
+#   GPU_CHECK_STAGES=serving-cpu bash benchmarks/gpu_check.sh
 #
-# On 2026-11-30 (eager decode) the tests took 11 s, the engine benchmarks 133 + 21 s (four
-# batches in bf16, two in fp32) and serving-gpu 83 s (then with the colocated app).
-#
-# Runs from a checkout without installing pdserve (PYTHONPATH), against the torch, transformers,
-# msgpack and pytest the machine has, plus what the site bundle brings (pydantic, grpcio and
-# protobuf; Ray Serve for the serving stages): build it here with
-# `bash benchmarks/gpu_site_bundle.sh [--serve]` and name .devbundle in the device call's carry.
+# Runs from a checkout without installing pdserve (PYTHONPATH), against the machine's torch,
+# transformers, msgpack and pytest plus the site bundle (pydantic, grpcio, protobuf; Ray Serve
+# for the serving stages): `bash benchmarks/gpu_site_bundle.sh [--serve]`, .devbundle carried.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -133,9 +119,9 @@ case " $STAGES " in
 *" serving-"*)
     if "$PY" -c 'import ray.serve' 2>/dev/null; then
         stage serving-gpu 120 "$PY" -m benchmarks.serving_bench --device cuda \
-            --dtype bfloat16 --repeats 5 --no-colocated --out "$OUT/serving-gpu.md"
-        stage serving-cpu 330 "$PY" -m benchmarks.serving_bench --threads 4 --repeats 41 \
-            --no-colocated --out "$OUT/serving-cpu.md"
+            --dtype bfloat16 --streams 1,64 --repeats 3 --out "$OUT/serving-gpu.md"
+        stage serving-cpu 330 "$PY" -m benchmarks.serving_bench --preset small --threads 4 \
+            --streams 1 --tokens 64 --paths proxy --repeats 41 --out "$OUT/serving-cpu.md"
     else
         echo "== serving stages skipped: Ray Serve is not importable" | tee "$OUT/serving.log"
     fi
@@ -146,32 +132,20 @@ echo "== failed stages: $failed"
 acceptance=$("$PY" -m benchmarks.gpu_summary "$OUT" 2>&1)
 
 {  # the one report of this run
-    echo "# GPU check"
-    echo
-    echo "- date: $(date -u +%FT%TZ)"
-    echo "- commit: ${PDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-    echo "- stages: $STAGES; failed: $failed"
-    echo
-    echo "## Acceptance (issue 20)"
-    echo
-    echo "$acceptance"
-    echo
-    echo '## Machine'
-    echo
+    commit=${PDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+    printf '# GPU check\n\n- date: %s\n- commit: %s\n- stages: %s; failed: %s\n\n' \
+        "$(date -u +%FT%TZ)" "$commit" "$STAGES" "$failed"
+    printf '## Acceptance (issue 20)\n\n%s\n\n## Machine\n\n' "$acceptance"
     sed 's/^/    /' "$OUT/machine.txt"
     for log in "$OUT"/*.log; do
         [ -f "$log" ] || continue
-        echo
-        echo "## $(basename "$log" .log): last lines of the log"
-        echo
+        printf '\n## %s: last lines of the log\n\n' "$(basename "$log" .log)"
         tail -n 15 "$log" | sed 's/^/    /'
     done
     for report in "$OUT"/*.md; do
         case $report in */README.md) continue ;; esac
         [ -f "$report" ] || continue
-        echo
-        echo "## $(basename "$report" .md)"
-        echo
+        printf '\n## %s\n\n' "$(basename "$report" .md)"
         sed 's/^#/###/' "$report"
     done
 } >"$OUT/README.md"

@@ -15,6 +15,7 @@ import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 TESTS = "tests.xml"
@@ -51,34 +52,21 @@ Check = Callable[[], tuple[str, bool]]
 
 def rows(folder: Path) -> list[Row]:
     """Every figure of the table, read from `folder`."""
-    checks: list[tuple[str, str, Check]] = [
-        ("GPU tests (`gpu` marker)", "all pass", lambda: _tests(folder)),
-        ("`small` bf16 decode step, batch 1", f"<= {STEP_MS} ms", lambda: _step(folder)),
+    graphs = f"<= {GRAPHS_VS_EAGER:g}x"
+    checks: list[tuple[str, str, Callable[[Path], tuple[str, bool]]]] = [
+        ("GPU tests (`gpu` marker)", "all pass", _tests),
+        ("`small` bf16 decode step, batch 1", f"<= {STEP_MS} ms", _step),
+        ("`small` bf16 decode, batch 128", f">= {DECODE_TOK_S:,} tok/s", _decode),
+        ("`small` bf16 prefill 128 x 128 / HF generate", f">= {PREFILL_VS_HF:g}x", _prefill),
+        ("`1b` bf16 decode step, batch 1 / weight-read floor", f"<= {FLOOR_RATIO:g}x", _floor),
+        ("`small` bf16 decode step, batch 1, graphs / eager", graphs, partial(_graphs, batch=1)),
         (
-            "`small` bf16 decode, batch 128",
-            f">= {DECODE_TOK_S:,} tok/s",
-            lambda: _decode(folder),
-        ),
-        (
-            "`small` bf16 prefill 128 x 128 / HF generate",
-            f">= {PREFILL_VS_HF:g}x",
-            lambda: _prefill(folder),
-        ),
-        (
-            "`1b` bf16 decode step, batch 1 / weight-read floor",
-            f"<= {FLOOR_RATIO:g}x",
-            lambda: _floor(folder),
+            "`small` bf16 decode step, batch 128, graphs / eager",
+            graphs,
+            partial(_graphs, batch=128),
         ),
     ]
-    for b in (1, 128):
-        checks.append(
-            (
-                f"`small` bf16 decode step, batch {b}, graphs / eager",
-                f"<= {GRAPHS_VS_EAGER:g}x",
-                lambda b=b: _graphs(folder, b),
-            )
-        )
-    return [_row(figure, target, check) for figure, target, check in checks]
+    return [_row(figure, target, partial(check, folder)) for figure, target, check in checks]
 
 
 def render(table: list[Row]) -> str:

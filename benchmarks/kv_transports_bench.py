@@ -4,15 +4,13 @@
 
 A prefill process (a real engine on the `small` checkpoint, a LeaseKeeper and a KVServer serving
 nixl and grpc; then another serving gloo) prefills one prompt per length and leases its KV; this
-process, the decode side, moves it into blocks of its own paged pool with the transport's
-`KVClient.fetch_into`, as a decode worker does, `--repeats` times per length after one warm-up
-(the pair's connection or group is set up then), the transports served by one prefill process
-interleaved (A, B, C, A, B, C, ...) so that noise from other work on the machine hits them
-alike, and checks the blocks bit-exact against the prefill side's export. The row "grpc,
-checksum + copy" is the gRPC path as it was before this benchmark was written: chunk checksums
-on, assembled into new tensors, then copied into the pool. KV share of TTFT = transfer /
-(prefill + transfer): the time until the decode side can run, of which the transfer is the part
-disaggregation adds.
+process, the decode side, moves it into blocks of its own paged pool with the KV client a
+decode worker makes for the transport (`make_kv_client`, `fetch_into`), `--repeats` times per
+length after one warm-up (the pair's connection or group is set up then), the transports served
+by one prefill process interleaved (A, B, A, B, ...) so that noise from other work on the
+machine hits them alike, and checks the blocks bit-exact against the leased blocks of the
+prefill side's pool. KV share of TTFT = transfer / (prefill + transfer): the time until the
+decode side can run, of which the transfer is the part disaggregation adds.
 """
 
 from __future__ import annotations
@@ -26,15 +24,13 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.options import common_parser, model_dir
-from benchmarks.report import header, publish
+from benchmarks.report import add_threads_option, header, model_dir, parser, publish
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, TransferConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVCache
 from cluster.kv_transfer.base import KVClient
 from cluster.kv_transfer.capability import Capability
-from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.kv_transfer.transport_factory import make_kv_client
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
@@ -44,14 +40,15 @@ from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
 
 BLOCK_SIZE, CHUNK = 16, 4 << 20
-# Per prefill process (the transport its KV server serves besides grpc), the rows measured
-# against it, interleaved. "grpc, checksum + copy" is the gRPC path before issue 19.
-GROUPS = {"nixl": ("grpc, checksum + copy", "grpc", "nixl"), "gloo": ("gloo",)}
+# Per prefill process (the transport its KV server serves besides grpc), the transports measured
+# against it, interleaved.
+GROUPS = {"nixl": ("grpc", "nixl"), "gloo": ("gloo",)}
 
 
 def main(argv: list[str] | None = None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = common_parser(__doc__, "kv_transports")
+    p = parser(__doc__, "kv_transports")
+    add_threads_option(p)
     p.add_argument("--prompt-lens", default="512,2046")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu", help="both pools' device (cuda: nixl over CUDA IPC)")
@@ -89,8 +86,7 @@ async def measure(a, transport: str, names: tuple[str, ...], lens: list[int]) ->
                     pool.k.zero_()
                     pool.v.zero_()
                     t0 = time.perf_counter()
-                    fetch_into = KVClient.fetch_into if "copy" in name else type(client).fetch_into
-                    rows[name][2][n] = await fetch_into(client, handle, pool, ids)
+                    rows[name][2][n] = await client.fetch_into(handle, pool, ids)
                     times[name].append(time.perf_counter() - t0)
                     assert torch.equal(pool.k[:, ids].cpu(), k_want), name
                     assert torch.equal(pool.v[:, ids].cpu(), v_want), name
@@ -106,8 +102,6 @@ async def measure(a, transport: str, names: tuple[str, ...], lens: list[int]) ->
 
 
 def _client(name: str, pool: KVCache, num_blocks: int) -> KVClient:
-    if name.startswith("grpc"):
-        return GrpcKVClient(CHUNK, 60.0, max_blocks=num_blocks, checksum="checksum" in name)
     transfer = TransferConfig(transport=name, max_chunk_bytes=CHUNK, fetch_timeout_seconds=60.0)
     return make_kv_client(transfer, pool.k.device, num_blocks, pool)
 
@@ -136,12 +130,12 @@ async def _serve(conn, path: str, transport: str, num_blocks: int, device: str) 
                 pass
             prefill_s = time.perf_counter() - t0
             block_ids, num_tokens, expiry, token = await leases.grant(rid)
-            want = await engine.call(lambda e, rid=rid: e.export_kv(rid))
+            want = await engine.call(lambda e, ids=list(block_ids): e.kv_cache.read(ids))
             handle = KVHandle(
                 rid, num_tokens, endpoint, transport, tuple(block_ids), BLOCK_SIZE,
                 engine.layout, expiry, token,
             )  # fmt: skip
-            kv = (want.k.cpu(), want.v.cpu())
+            kv = (want[0].cpu(), want[1].cpu())
             conn.send((handle.to_proto().SerializeToString(), prefill_s, *kv))
     finally:
         await server.stop(0)

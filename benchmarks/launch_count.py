@@ -2,7 +2,7 @@
 fused kernels (`cluster/model/triton_fused.py`) and without them (Triton attention, eager torch
 ops for rope + KV store, residual add + RMSNorm and SiLU * up).
 
-    python -m benchmarks.launch_count [--preset small] [--batch 4]
+    python -m benchmarks.launch_count [--preset small] [--batch 4] [--out FILE]
 
 Counted two ways: `dispatched` is every Triton kernel call plus every torch op that is neither a
 view nor an allocation (a TorchDispatchMode; runs anywhere, under Triton's interpreter on a CPU);
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections import Counter
 from contextlib import contextmanager
 
@@ -22,6 +23,7 @@ if not os.path.exists("/dev/nvidia0"):
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from benchmarks.report import add_out_option, header, publish  # noqa: E402
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from cluster.engine.engine import Engine  # noqa: E402
 from cluster.model import decoder  # noqa: E402
@@ -141,25 +143,27 @@ def count(engine: Engine, batch, fused: bool) -> tuple[Counter[str], int | None]
     return counter.ops, cuda
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--top", type=int, default=0, help="also list the N most frequent ops")
-    args = p.parse_args()
-    engine, batch = decode_batch(args.preset, args.batch)
+    add_out_option(p, "launch_count")
+    a = p.parse_args(argv)
+    engine, batch = decode_batch(a.preset, a.batch)
     layers = engine.runner.model.spec.num_layers
-    print(f"{args.preset}, decode batch {args.batch}, {layers} layers, forward + logits")
-    print(f"{'':10} {'dispatched':>10} {'per layer':>9} {'cuda kernels':>12}")
+    lines = [
+        *header("Kernel launches in one decode step", "launch_count", argv or sys.argv[1:]),
+        f"- `{a.preset}`, decode batch {a.batch}, {layers} layers, forward + logits",
+        "",
+        "| Triton path | dispatched | per layer | cuda kernels |",
+        "|---|---|---|---|",
+    ]
     for fused in (False, True):
         ops, cuda = count(engine, batch, fused)
         total = sum(ops.values())
-        name = "fused" if fused else "unfused"
-        print(
-            f"{name:10} {total:>10} {total / layers:>9.1f} {cuda if cuda is not None else '-':>12}"
-        )
-        for op, n in ops.most_common(args.top):
-            print(f"    {op} {n}")
+        name, cuda = "fused" if fused else "unfused", cuda if cuda is not None else "-"
+        lines.append(f"| {name} | {total} | {total / layers:.1f} | {cuda} |")
+    return publish("\n".join(lines) + "\n", a.out)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,12 @@
 """CPU accounting from /proc: the processes of the Ray this process started, their CPU time and
-priority, a thread's scheduler accounting, and the load other processes put on the machine."""
+priority, and the load other processes put on the machine."""
 
 from __future__ import annotations
 
 import os
 import re
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-
-from benchmarks.report import log
 
 _ROLE = re.compile(r"(?:ServeReplica:|SERVE_REPLICA::)([\w-]+)[:#](\w+)")
 
@@ -69,56 +65,11 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def node_env(pid: int) -> dict[str, str]:
-    """The `cluster.serving.app.NODE_ENV_VARS` keys set in process `pid`'s environment
-    (`RAY_SERVE_PROXY_USE_GRPC=1` in the proxy: it reaches the router over gRPC, not by Ray
-    actor calls)."""
-    from cluster.serving.app import NODE_ENV_VARS
-
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0"))
-    return {k: v for k, _, v in pairs if k in NODE_ENV_VARS}
-
-
 def niceness(pid: int) -> int | None:
     try:
         return int(_stat(pid)[16])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def set_thread_niceness(nice: int | None) -> None:
-    """Linux niceness is per thread: give the calling thread `nice` (None: leave it)."""
-    if nice is None:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError as e:  # lowering it needs privileges; the report shows what we got
-        log(f"could not set this thread's niceness to {nice}: {e}")
-
-
-def thread_niceness() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
-@dataclass(frozen=True)
-class ThreadTimes:
-    """One reading of a thread's scheduler accounting (/proc/PID/task/TID/schedstat): time on
-    a CPU and time runnable but waiting for one, since the thread started."""
-
-    on_cpu_s: float
-    runqueue_s: float
-
-    @staticmethod
-    def read(pid: int, tid: int) -> ThreadTimes | None:
-        try:
-            on_cpu, waiting, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
-        except (OSError, ValueError):
-            return None
-        return ThreadTimes(int(on_cpu) / 1e9, int(waiting) / 1e9)
 
 
 class OtherLoad:

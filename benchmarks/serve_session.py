@@ -1,6 +1,6 @@
 """Serve for the benchmarks that deploy apps: a local Ray and Serve of their own (or the one
-already running), their apps deployed for a block and deleted after, and small pools for a
-machine of a few cores.
+already running), their apps deployed for a block and deleted after, small pools for a
+machine of a few cores, and the calls over its gRPC proxy (route ready, KV blocks in use).
 
 The role classes are named by import path (`cluster.serving.app.compose_app`), so Ray's workers
 import them: run the benchmarks from the repository root (`python -m benchmarks.<name>`), whose
@@ -16,9 +16,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
-from benchmarks.options import model_dir
-from benchmarks.report import log
+import grpc
+
+from benchmarks.report import log, model_dir
 from cluster.config import CacheConfig, SchedulerConfig
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.serving.app_config import AppConfig, PoolConfig
 
 T = TypeVar("T")
@@ -49,40 +52,27 @@ def local_serve() -> Iterator[int]:
         ray.shutdown()
 
 
-def deploy(config: AppConfig, role_classes: Mapping[str, str] | None = None) -> None:
-    """The app of `config` on the running Serve, named by its `name`, at route /name."""
-    from ray import serve
-
-    from cluster.serving.app import compose_app
-
-    log(f"deploying {config.name}")
-    app = compose_app(config, role_classes)
-    serve.run(app, name=config.name, route_prefix=f"/{config.name}")
-
-
-def delete(name: str) -> None:
-    """Delete app `name` from the running Serve; a failure is logged, not raised."""
-    from ray import serve
-
-    try:
-        serve.delete(name)
-    except Exception as e:  # never deployed, or Serve is going away
-        log(f"could not delete app {name}: {e}")
-
-
 @contextlib.contextmanager
 def deployed(
     configs: list[AppConfig], role_classes: Mapping[str, str] | None = None
 ) -> Iterator[None]:
-    """Each app deployed (`deploy`) for the block; all of them deleted after, whatever
-    happened."""
+    """Each app of `configs` deployed on the running Serve for the block, named by its `name`
+    at route /name; all of them deleted after, whatever happened."""
+    from ray import serve
+
+    from cluster.serving.app import compose_app
+
     try:
         for cfg in configs:
-            deploy(cfg, role_classes)
+            log(f"deploying {cfg.name}")
+            serve.run(compose_app(cfg, role_classes), name=cfg.name, route_prefix=f"/{cfg.name}")
         yield
     finally:
         for cfg in configs:
-            delete(cfg.name)
+            try:
+                serve.delete(cfg.name)
+            except Exception as e:  # never deployed, or Serve is going away
+                log(f"could not delete app {cfg.name}: {e}")
 
 
 def on_serve(grpc_port: int, measure: Callable[[int], T]) -> T:
@@ -123,3 +113,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stub(grpc_port: int) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+
+
+def wait_ready(stub, app: str, prompt: list[int], timeout: float = 120.0) -> None:
+    """The proxy learns routes a little after `serve.run` returns: retry until a request of
+    four tokens goes through."""
+    sampling = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = [m for m in stub.Generate(request, metadata=(("application", app),))]
+            assert sum(len(m.token_ids) for m in got) == 4, f"{app}: not 4 tokens"
+            return
+        except grpc.RpcError as e:
+            if time.monotonic() > deadline or e.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.NOT_FOUND,
+            ):
+                raise
+            time.sleep(0.5)
+
+
+def used_blocks(stub, app: str, timeout_s: float = 30.0) -> int:
+    """KV blocks in use or leased over the app's replicas, once they settle (or at timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = stub.GetStats(pb.GetStatsRequest(), metadata=(("application", app),))
+        used = sum(r.kv_blocks_used + r.kv_blocks_leased for r in stats.replicas)
+        if not used or time.monotonic() > deadline:
+            return used
+        time.sleep(0.5)

@@ -2,7 +2,7 @@
 thread kills an engine replica every few seconds, as a crashed process.
 
     python -m benchmarks.soak_bench [--minutes 10] [--kill-every 60] [--time-scale 1.25]
-        [--length-scale 0.03125] [--output-scale 1] [--verify 48] [--out FILE]
+        [--verify 48] [--out FILE]
 
 The trace (`cluster.client.workload`, scaled; looped with new prompts each pass for as long as
 the run lasts) is sent open loop, greedy, EOS ignored. Every `--kill-every` seconds, once both
@@ -29,10 +29,15 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from benchmarks.grpc_calls import stub, wait_ready
-from benchmarks.options import served_parser
-from benchmarks.report import header, log, publish
-from benchmarks.serve_session import deployed, kv_transport, measure_served, small_pool
+from benchmarks.report import header, log, publish, served_parser
+from benchmarks.serve_session import (
+    deployed,
+    kv_transport,
+    measure_served,
+    small_pool,
+    stub,
+    wait_ready,
+)
 from benchmarks.trace_bench import SHARED_TRACE
 from cluster.client import workload as wl
 from cluster.client.bench_summary import BenchSummary, Distribution
@@ -44,6 +49,7 @@ from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.serving.app_config import AppConfig
 
 APP = "soak"
+NUM_BLOCKS = 1024  # KV blocks per replica
 ENGINES = {"Prefill": 2, "Decode": 2}  # deployment -> replicas
 GROUPS = ("no kill in flight", "in flight during a kill", "migrated")
 
@@ -254,7 +260,7 @@ def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> SoakRun:
 
     if not ray.is_initialized():  # --grpc-port: someone else's Ray, on this node
         ray.init(address="auto", logging_level="warning")
-    target, proxy, pool = f"127.0.0.1:{grpc_port}", stub(grpc_port), small_pool(a.num_blocks, 32)
+    target, proxy, pool = f"127.0.0.1:{grpc_port}", stub(grpc_port), small_pool(NUM_BLOCKS, 32)
     prefill, decode = (replace(pool, replicas=ENGINES[d]) for d in ("Prefill", "Decode"))
     config = AppConfig(
         ModelConfig(model_dir), router=pool, prefill=prefill, decode=decode, name=APP
@@ -262,21 +268,21 @@ def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> SoakRun:
     with deployed([config]):
         wait_ready(proxy, APP, list(range(16, 48)))
         info = asyncio.run(model_info(target, APP))
-        scale = wl.TraceScale(a.length_scale, a.time_scale, a.output_scale)
-        work = looped_workload(wl.load_trace(a.trace), scale, info, a.minutes * 60, a.seed)
+        scale = wl.TraceScale(time=a.time_scale)
+        work = looped_workload(wl.load_trace(a.trace), scale, info, a.minutes * 60, 0)
         log(f"soak: {work.description}, a kill every {a.kill_every:g} s")
         t0 = time.perf_counter() + 1.0
         stop, kills = threading.Event(), []
-        args = (t0, a.kill_every, a.minutes * 60, a.seed, stop, kills)
+        args = (t0, a.kill_every, a.minutes * 60, 0, stop, kills)
         killer = threading.Thread(target=chaos, args=args, name="chaos", daemon=True)
         killer.start()
-        outcomes = asyncio.run(send(target, list(work.requests), t0, a.timeout))
+        outcomes = asyncio.run(send(target, list(work.requests), t0, 300.0))
         load_s = time.perf_counter() - t0
         stop.set()
         killer.join()
         log("load stopped; waiting for the pools and their KV blocks to settle")
         wait_whole(timeout_s=300.0)
-        replicas, settle_s = settled_replicas(proxy, a.settle_timeout)
+        replicas, settle_s = settled_replicas(proxy, 60.0)
         summary = SoakSummary.of(outcomes, kills)
         checked = verify(target, work, summary, a.verify)
     return SoakRun(work, summary, replicas, settle_s, checked, kv_transport(config), load_s)
@@ -318,7 +324,7 @@ def render(a: argparse.Namespace, argv: list[str], run: SoakRun, wall_s: float) 
     lines = [
         *header(title, "soak_bench", argv),
         f"- wall time {wall_s:.0f} s; load for {run.load_s:.0f} s; {run.work.description}",
-        f"- app: 1 router, 2 prefill x 2 decode replicas of one torch thread, {a.num_blocks} KV "
+        f"- app: 1 router, 2 prefill x 2 decode replicas of one torch thread, {NUM_BLOCKS} KV "
         f"blocks of 16 tokens each, KV transport {run.kv_transport}; {a.preset} model",
         "",
         f"**Requests: {len(s.outcomes)} sent, {len(s.outcomes) - sum(s.failures.values())} "
@@ -377,13 +383,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--minutes", type=float, default=10.0, help="how long the trace is sent")
     p.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
     p.add_argument("--trace", default=str(SHARED_TRACE), help="Mooncake-format JSONL trace")
-    p.add_argument("--length-scale", type=float, default=wl.TraceScale.length)
     p.add_argument("--time-scale", type=float, default=1.25)
-    p.add_argument("--output-scale", type=float, default=wl.TraceScale.output)
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
-    p.add_argument("--settle-timeout", type=float, default=60.0, help="seconds for KV to free")
     p.add_argument("--verify", type=int, default=48, help="requests sent again (0: none)")
     a = p.parse_args(argv)
     run, wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))

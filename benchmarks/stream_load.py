@@ -1,12 +1,11 @@
 """N concurrent `Generate` streams from one asyncio client, each message's arrival recorded:
-what the capacity benchmark sends, and the latencies it reads from what came back.
+what the serving benchmark sends, and the latencies it reads from what came back.
 
 The client runs in a process of its own (`python -m benchmarks.stream_load`, requests in and
 arrivals out as JSON on its pipes), on uvloop when it is installed, without Ray: its CPU per
 token is then the client's alone, not that of the Ray driver the benchmark runs in (whose
-threads measured 116-151 µs per token as "client" at N = 64, against 43-73 for a bare grpc.aio
-client on uvloop or asyncio), and it takes no more of the machine's cores from the app than a
-client has to.
+threads cost several times a bare client's), and it takes no more of the machine's cores from
+the app than a client has to.
 
 A message may carry several tokens (the serving path coalesces a stream that fell behind);
 its tokens arrive together. Inter-token latency is taken as the router's metric takes it: the
@@ -36,25 +35,21 @@ from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 @dataclass
 class StreamRecord:
     """One stream as the client saw it: when it was called, each message's arrival time and
-    token count, and what its last message said."""
+    token count, and its tokens."""
 
     called_at: float
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: int = 0
-    completion_tokens: int = 0
 
     @property
     def ttft(self) -> float:
         return self.arrivals[0][0] - self.called_at
 
-    def itls(self, after: float = float("-inf")) -> list[float]:
-        """One inter-token latency per token after the first message's; with `after`, only
-        for the messages whose gap began then or later."""
+    def itls(self) -> list[float]:
+        """One inter-token latency per token after the first message's."""
         out: list[float] = []
         for (before, _), (at, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
-            if before >= after:
-                out.extend([(at - before) / n] * n)
+            out.extend([(at - before) / n] * n)
         return out
 
     @property
@@ -78,12 +73,8 @@ class LoadResult:
         return sum(len(s.arrivals) for s in self.streams)
 
     @property
-    def wall_s(self) -> float:
-        return self.ended - self.began
-
-    @property
     def tok_per_s(self) -> float:
-        return self.tokens / self.wall_s
+        return self.tokens / (self.ended - self.began)
 
     def ttft(self, q: float) -> float:
         return float(np.quantile([s.ttft for s in self.streams], q))
@@ -99,13 +90,6 @@ class LoadResult:
         if not second or len(second) < len(self.streams):
             return float("nan")
         return max(second) - self.began
-
-    def steady_itl(self) -> float:
-        """The inter-token latency p50 of the messages whose gap began once every stream was
-        decoding: the served decode step at full batch, ramp and tail apart."""
-        after = self.began + self.all_decoding_s()
-        values = [v for s in self.streams for v in s.itls(after)]
-        return float(np.median(values)) if values else float("nan")
 
 
 def greedy_request(
@@ -124,9 +108,6 @@ async def _stream(stub, request: pb.GenerateRequest, app: str) -> StreamRecord:
     async for msg in stub.Generate(request, metadata=(("application", app),)):
         record.arrivals.append((time.perf_counter(), len(msg.token_ids)))
         record.token_ids.extend(msg.token_ids)
-        if msg.HasField("usage"):
-            record.finish_reason = msg.finish_reason
-            record.completion_tokens = msg.usage.completion_tokens
     return record
 
 
@@ -222,10 +203,7 @@ def _client() -> None:
     load = run_loop(_run_load(order["target"], order["app"], requests))
     t1 = os.times()
     print("done", flush=True)
-    streams = [
-        [s.called_at, s.arrivals, s.token_ids, s.finish_reason, s.completion_tokens]
-        for s in load.streams
-    ]
+    streams = [[s.called_at, s.arrivals, s.token_ids] for s in load.streams]
     cpu = (t1.user + t1.system) - (t0.user + t0.system)
     json.dump(
         {"streams": streams, "began": load.began, "ended": load.ended, "cpu_s": cpu}, sys.stdout
@@ -234,8 +212,8 @@ def _client() -> None:
 
 def _from_json(got: dict) -> LoadResult:
     streams = [
-        StreamRecord(called, [(at, n) for at, n in arrivals], ids, finish, completion)
-        for called, arrivals, ids, finish, completion in got["streams"]
+        StreamRecord(called, [(at, n) for at, n in arrivals], ids)
+        for called, arrivals, ids in got["streams"]
     ]
     return LoadResult(streams, got["began"], got["ended"], got["cpu_s"])
 

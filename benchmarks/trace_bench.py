@@ -1,21 +1,17 @@
-"""The Mooncake trace replayed on pdserve, disaggregated against colocated on the same
-number of engines, side by side in one run.
+"""Disaggregated against colocated on the same number of engines: the Mooncake trace replayed
+on both, side by side in one run.
 
     python -m benchmarks.trace_bench [--preset small] [--trace FILE] [--skip 3800]
-        [--max-requests 60] [--length-scale 0.03125] [--time-scale 8] [--output-scale 1]
-        [--out FILE]
+        [--max-requests 60] [--time-scale 8] [--out FILE]
 
 Two apps on one local Ray, each with two engines of one torch thread: "disaggregated" (1
-prefill + 1 decode replica) and "colocated" (2 replicas doing both phases). The same window
-of the trace (`cluster.client.workload`: the lengths and clock scaled as given, prompts that share
-`hash_ids` sharing their tokens) is sent to one app and then to the other, open loop, each
-request at its scaled arrival time, by the load generator `pdserve bench` uses. Prints each
-app's `pdserve bench` summary, a table of the two side by side with their ratios, and checks
-that both gave the same tokens for every request and that no KV blocks are left in use.
-
-The default window (requests 3800-3859 of the released trace) is one where prompts share
-prefixes (an unbounded cache could serve 44% of the prompt tokens); the trace's first
-requests share none.
+prefill + 1 decode replica) and "colocated" (2 replicas doing both phases). The same window of
+the trace (`cluster.client.workload`, lengths x 1/32, the clock scaled; prompts that share
+`hash_ids` share their tokens) is sent to one app, then to the other, open loop, by the load
+generator of `pdserve bench`. Prints each app's summary, the two side by side with their
+ratios, and checks that both gave the same tokens for every request and left no KV blocks in
+use. The default window is one where prompts share prefixes; the trace's first requests share
+none.
 """
 
 from __future__ import annotations
@@ -25,10 +21,16 @@ import asyncio
 import sys
 from dataclasses import dataclass, replace
 
-from benchmarks.grpc_calls import stub, used_blocks, wait_ready
-from benchmarks.options import served_parser
-from benchmarks.report import header, log, publish
-from benchmarks.serve_session import deployed, kv_transport, measure_served, small_pool
+from benchmarks.report import header, log, publish, served_parser
+from benchmarks.serve_session import (
+    deployed,
+    kv_transport,
+    measure_served,
+    small_pool,
+    stub,
+    used_blocks,
+    wait_ready,
+)
 from cluster.client.bench_summary import PERCENTILES, BenchSummary
 from cluster.client.load_generator import RequestRecord, model_info, run_workload
 from cluster.client.workload import TRACES, TraceScale, Workload, load_trace, trace_workload
@@ -68,9 +70,9 @@ def app_config(a: argparse.Namespace, model_dir: str, mode: str, name: str) -> A
 
 
 def workload(a: argparse.Namespace, info) -> Workload:
-    scale = TraceScale(a.length_scale, a.time_scale, a.output_scale)
+    scale = TraceScale(time=a.time_scale)
     entries = load_trace(a.trace, a.max_requests, a.skip)
-    return trace_workload(entries, scale, info.vocab_size, info.max_context_length, a.seed)
+    return trace_workload(entries, scale, info.vocab_size, info.max_context_length, 0)
 
 
 def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> TraceRun:
@@ -85,7 +87,7 @@ def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> TraceRun:
         work = workload(a, info)
         for mode, name in APPS.items():
             log(f"replaying {len(work.requests)} requests on {name}")
-            records = asyncio.run(run_workload(target, work, name, timeout_s=a.timeout))
+            records = asyncio.run(run_workload(target, work, name, timeout_s=600.0))
             results[mode] = Replay(records, BenchSummary.of(records), used_blocks(proxy, name))
     return TraceRun(work, results, kv_transport(configs[0]))
 
@@ -97,7 +99,7 @@ def render(a: argparse.Namespace, argv: list[str], run: TraceRun, wall_s: float)
         *header("pdserve trace replay: disaggregated against colocated", "trace_bench", argv),
         f"- wall time {wall_s:.0f} s",
         f"- trace: {a.trace}, requests {a.skip}-{a.skip + len(work.requests) - 1}; "
-        f"{work.description}; seed {a.seed}; "
+        f"{work.description}; "
         f"{sum(r.clipped for r in work.requests)} prompts cut to fit the context",
         f"- apps: disaggregated 1 prefill + 1 decode replica, colocated 2 replicas; one torch "
         f"thread per engine, {a.num_blocks} KV blocks of 16 tokens per replica, KV transport "
@@ -144,12 +146,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--trace", default=str(SHARED_TRACE), help="Mooncake-format JSONL trace")
     p.add_argument("--skip", type=int, default=3800, help="start after this many requests")
     p.add_argument("--max-requests", type=int, default=60)
-    p.add_argument("--length-scale", type=float, default=TraceScale.length)
     p.add_argument("--time-scale", type=float, default=8.0)
-    p.add_argument("--output-scale", type=float, default=TraceScale.output)
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     a = p.parse_args(argv)
     run, wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
     return publish(render(a, argv, run, wall_s), a.out)

@@ -115,7 +115,7 @@ class ModelConfig:
     max_model_len: int = 0
     # fp32 on the CPU: also keep every linear weight packed for MKL's GEMM
     # (cluster/model/linear.py), which makes the GEMMs of decode batches of 4-96 sequences
-    # 5-35% faster and costs about as much memory again as the weights.
+    # faster and costs about as much memory again as the weights.
     packed_weights: bool = True
     # On a GPU (Triton attention path) decode steps replay CUDA graphs captured per batch-size
     # bucket (cluster/engine/cuda_graphs.py); false: all eager (vLLM's --enforce-eager).
@@ -227,7 +227,7 @@ class TransferConfig:
     port: int = 0
     lease_seconds: float = 30.0
     # Both ends raise gRPC's message limit to this plus framing; 4 MiB measured fastest on
-    # loopback (benchmarks/kv_transfer_bench.py).
+    # loopback.
     max_chunk_bytes: int = 4 << 20
     fetch_timeout_seconds: float = 30.0
     # A decode worker's channel to a prefill worker (gRPC; gloo/nccl: the pair's process group)

@@ -6,7 +6,7 @@ drains.
 
 Yielding each token back through the Serve handle instead cost the worker's process several
 event loop wake-ups per token, each taking the GIL from the engine thread in the middle of a
-step (1.5-2 ms per token on 2 cores, benchmarks/serving_bench.py). Here the output thread
+step (docs/findings.md has what it cost a token). Here the output thread
 (`AsyncEngine`: it makes a step's outputs text while the engine runs the next) encodes and
 sends the frame itself; the event loop only opens connections, flushes what the
 socket could not take at once, and learns when a stream ends.

@@ -217,7 +217,7 @@ class Engine:
             cached = seq.num_cached_tokens
         lps = () if logprobs is None else (logprobs,)
         rid, n_prompt = seq.request_id, seq.num_prompt_tokens
-        # Positional: per sequence per step, keywords cost a frozen dataclass ~1 µs more.
+        # Positional: built per sequence per step, where keywords cost a frozen dataclass more.
         return StepOutput(rid, (token,), "", reason, n_prompt, n_out, queued, cached, lps)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -115,7 +115,7 @@ def gather_chunks(
         ]
         flat = _host_array(torch.cat(parts))  # one device-to-host copy
         return [flat[a:b].reshape(s) for a, b, s in zip(starts, ends, shapes, strict=True)]
-    # numpy, not torch: torch's CPU index_select into a view is ~50x slower here. One buffer
+    # numpy, not torch: torch's CPU index_select into a view is far slower here. One buffer
     # for all chunks, allocated by numpy, which asks for huge pages: first-touch page faults on
     # a few-MiB allocation each cost more than the copy into it.
     src = (_host_array(k), _host_array(v))
@@ -135,8 +135,8 @@ def chunk_header(
     r: ChunkRange, data: np.ndarray | PoolSlices, dtype: str, with_checksum: bool = True
 ) -> bytes:
     """The msgpack header of the chunk `r` whose wire bytes are `data` (from `gather_chunks`
-    or `pool_slices`); its checksum is 0 unless `with_checksum` (a pass over the data, ~10
-    GB/s; gathered data only)."""
+    or `pool_slices`); its checksum is 0 unless `with_checksum` (one more pass over the data;
+    gathered data only)."""
     if with_checksum and not isinstance(data, np.ndarray):
         raise InvalidArgument("a chunk checksum needs the chunk's data gathered")
     header = {
@@ -248,7 +248,7 @@ class ChunkAssembler:
         else:
             shape = (layout.num_layers, num_blocks, *layout.block_shape)
             # Allocated by numpy, which asks for huge pages: first-touch page faults on a fresh
-            # torch.empty cost more than the copy into it (47 MB: 30 ms against 12 ms).
+            # torch.empty cost more than the copy into it.
             raw = _RAW_INT[self.dtype.itemsize]
             self._k_np, self._v_np = np.empty(shape, dtype=raw), np.empty(shape, dtype=raw)
             self.k = torch.from_numpy(self._k_np).view(self.dtype)  # views: writes land in both

@@ -46,7 +46,7 @@ class AttentionMetadata:
 
 def _padded_tables(block_tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
     width = max(len(t) for t in block_tables)
-    # One tensor from padded lists: a tensor per row costs ~5 µs each at decode batch sizes.
+    # One tensor from padded lists: a tensor per row costs a call each at decode batch sizes.
     return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=dtype)
 
 

@@ -5,7 +5,7 @@
 the CLI.
 The role classes are named by import path, like Serve config files name them, so `cluster`
 stays free of imports of the role packages. `compose_app` lets a Python caller substitute some
-of them (the benchmarks deploy subclasses with timing probes, `benchmarks/probed_replicas.py`).
+of them (a subclass with probes of its own, say).
 """
 
 from __future__ import annotations
@@ -39,31 +39,30 @@ PREFIX_AFFINITY_ROUTER = "router.prefix_affinity:PrefixAffinityRouter"
 # How Serve runs every pdserve replica. By default Serve runs a replica's methods on a second
 # event loop in a thread of its own, and each streamed item then crosses threads twice more
 # under the GIL that the engine thread also needs; pdserve's replica methods never block (the
-# engine has its own thread), so they run on Serve's main loop. Measured with
-# `serving_bench --quick` on 2 cores: 9.1 -> 5.7 ms per streamed token. And Ray starts its
+# engine has its own thread), so they run on Serve's main loop: less latency per streamed
+# token (docs/findings.md). And Ray starts its
 # workers at nice 15, below every process of the node at 0 (Ray's own daemons, drivers, clients
 # on the host), so an engine thread gave way to all of them; pdserve's replicas keep nice 0.
-# Measured on 2 cores with 64 streams x 256 tokens: the decode engine thread's wait for a core
-# 13.5 -> 10.7% of its CPU time; `capacity_bench` direct 0.81, 0.82, 0.84 of the engine alone
-# against 0.78, 0.81 (alternating runs).
+# With it the decode engine thread waits less for a core and the direct path delivers more of
+# the engine alone's tokens (docs/findings.md).
 REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_worker_niceness": "0"}
 # The router replica's calls to the pools: Serve's handle runs its request routing on a third
 # event loop in a thread of its own by default, each call crossing threads both ways; the
-# router's code makes no blocking handle calls, so routing runs on its own loop. Measured with
-# 64-stream bursts of 8 tokens (2 runs each, with the pools' access log off as well, on one
-# host): router CPU 3.88-3.91 -> 3.69-3.74 ms a request, all processes 14.7-14.8 -> 14.2-14.3.
+# router's code makes no blocking handle calls, so routing runs on its own loop: less router
+# CPU a request, and less for all processes together with the pools' access log off
+# (docs/findings.md).
 ROUTER_ENV_VARS = {**REPLICA_ENV_VARS, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 # Serve's access log writes a line per call to every replica's log file. For the pools those
-# calls are the router's own (two a request, their errors logged anyway), at ~3% of a pool
-# replica's CPU per request; the router keeps the log of the calls that reach it through
+# calls are the router's own (two a request, their errors logged anyway), a few percent of a
+# pool replica's CPU per request; the router keeps the log of the calls that reach it through
 # Serve's proxies.
 POOL_LOGGING = {"enable_access_log": False}
 # How Serve's proxies reach the router, read by each proxy process when it starts, so it must
 # be in the environment of the node's Ray (`ray start`), not of a deployment. By default a proxy
 # calls the router as a Ray actor and every streamed token becomes a Ray object reported through
 # the core workers of both processes; with this the proxy calls the router's replica over the
-# gRPC server every Serve replica runs anyway. Measured with `serving_bench` (5 pairs each, on
-# 2 cores): router 3.59 -> 2.97 and proxy 3.44 -> 2.81 ms of CPU per streamed token.
+# gRPC server every Serve replica runs anyway: less CPU per streamed token in both the router
+# and the proxy (docs/findings.md).
 NODE_ENV_VARS = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 

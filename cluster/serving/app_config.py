@@ -68,19 +68,19 @@ class PoolConfig:
     torch_threads: int = 0
     # Python's GIL switch interval in this pool's engine replicas. The engine thread shares the
     # GIL with Serve's event loop; at Python's default (5 ms) each burst of the loop's work
-    # stalls the step for its whole length (benchmarks/interference_bench.py).
+    # stalls the step for its whole length; a short interval bounds each stall.
     gil_switch_interval_s: float = 5e-5
     # Cores this pool's engine threads run on (a Linux cpu list, "2" or "2-3", or a list of
     # ints); () = wherever the OS puts them. Keep Ray's own processes off them by starting Ray
     # from a process that is (`pdserve serve --engine-cpus`, or `taskset`;
     # cluster/serving/cpu_affinity.py). Pinning alone, nothing reserved, already keeps a decode
-    # step as fast served as alone on 2 cores (benchmarks/README.md, capacity).
+    # step as fast served as alone on 2 cores (docs/findings.md).
     engine_cpus: CpuList = ()
     # Engine pools: make each step's text (detokenization, stop strings) and feed the token
     # streams on a thread of the replica's own while the engine runs the next step (True), or
     # on the engine thread after its step (False). None: on a GPU only, where the engine
     # thread's host time is the step's; on a CPU both threads want the same cores and the GIL
-    # (benchmarks/README.md, capacity; cluster/engine/async_engine.py).
+    # and the output thread overlaps nothing (cluster/engine/async_engine.py).
     output_thread: bool | None = None
     # Requests one replica works on at once; 0 = what it can really hold (its max_num_seqs).
     max_ongoing_requests: int = 0

@@ -1,14 +1,13 @@
 """`recorder`: one Ray histogram with fixed tags, as a plain function of the value, for series
 recorded per streamed token (the router's inter-token latency): `Histogram.observe` merges and
-checks the tags at every call, about 5 µs a value through Serve's wrapper; merged and checked
-once, a value costs Ray's recording call alone (about 1.5 µs).
+checks the tags at every call through Serve's wrapper; merged and checked once, a value
+costs Ray's recording call alone.
 
 `Batched` goes further for the router's hot path: values are kept in a list and recorded
-together, on the event loop, up to `FLUSH_S` later. py-spy put 13% of the router's samples at
-N = 64 streams in Ray's recording call, one per token per series, far more than the calls cost
-back to back; over five paired runs the router's CPU per token fell 14% on average with them
-batched (one pair of five the other way: benchmarks/README.md, "Capacity"). Every value is
-still recorded, exactly, each as its own observation.
+together, on the event loop, up to `FLUSH_S` later: one recording call per token per series
+cost the router far more under many streams than the calls cost back to back, and batched
+they cost it less CPU per token (the serving benchmark's router figure; docs/findings.md).
+Every value is still recorded, exactly, each as its own observation.
 """
 
 from __future__ import annotations

@@ -125,10 +125,9 @@ class PoolMetrics:
         `value`, for the event loop that records it: the values are recorded in batches
         (`Batched`: up to `FLUSH_S` later, each one still its own observation) through the
         series' prepared recorders (`_prepared`). The router records per token with it, and
-        every replica its per-request values through `observe` and `inc` (py-spy put 8-10% of
-        the router's GIL time in Ray's metric calls in bursts of requests; batched, the
-        router's CPU a request went 3.77 -> 3.64-3.71 ms in two alternating pairs, the pools'
-        within noise)."""
+        every replica its per-request values through `observe` and `inc` (Ray's metric calls
+        took a share of the router's GIL time in bursts of requests; batched, the router's
+        CPU a request went down, the pools' within noise: docs/findings.md)."""
         key = (name, *sorted(tags.items()))
         made = self._recorders.get(key)
         if made is None:
@@ -142,8 +141,8 @@ class PoolMetrics:
 
     def _prepared(self, key: tuple, name: str, tags: dict[str, str]) -> Callable[[float], None]:
         """One function recording a value in histogram or counter `name` with `tags` and in
-        each vLLM series it is mirrored under, the tags merged and checked once (about 1.5 µs
-        per series and value instead of 5); a counter's 0 adds nothing. Made once per key
+        each vLLM series it is mirrored under, the tags merged and checked once (not at every
+        value, as `Histogram.observe` does); a counter's 0 adds nothing. Made once per key
         (from any thread: at worst made twice)."""
         made = self._series.get(key)
         if made is None:

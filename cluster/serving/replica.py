@@ -107,7 +107,7 @@ class EngineReplica:
     async def cpu_affinity(self) -> dict[str, list[int]]:
         """The cores the engine thread, its output thread and this replica's other threads may
         run on: an operator's check, through a Serve handle, of where `PoolConfig.engine_cpus`
-        put them (the benchmarks' timing probes live in `benchmarks/probed_replicas.py`)."""
+        put them."""
         output = self.engine.output_native_id  # 0: the pool runs without an output thread
         return {
             "engine": list(thread_cpus(self.engine.native_id)),

@@ -19,6 +19,6 @@ def test_quick_run_reports_every_transport_and_length(tmp_path: Path) -> None:
     assert out.read_text("utf-8") == report
     row = r"^\| ([a-z ,+]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|"
     rows = re.findall(row, report, re.M)
-    names = ["grpc, checksum + copy", "grpc", "nixl", "gloo"]
+    names = ["grpc", "nixl", "gloo"]
     assert [(r[0], r[1]) for r in rows] == [(n, length) for n in names for length in ("20", "40")]
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)

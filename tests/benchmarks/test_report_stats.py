@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.paired_stats import bounded_verdict, median_ci
+from benchmarks.report import bounded_verdict, median_ci
 
 
 def test_the_median_interval_is_the_binomial_order_statistics() -> None:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cluster.errors import PdServeError
 from cluster.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "prefilled"]
@@ -53,7 +54,9 @@ class TokenLogprobs:
 class StepOutput:
     """The tokens one request gained in one engine step. `text` is the new, stop-string-safe
     text; `finish_reason` is set on the request's last output only ("prefilled" means the KV is
-    held for export and decoding continues elsewhere).
+    held for export and decoding continues elsewhere). `error`: the request failed alone (its
+    sampling, detokenization or stop check raised; finish reason "abort", no tokens); whoever
+    delivers the output fails the request's stream with it instead.
 
     A value: nothing changes one after it is built (changes go through `dataclasses.replace`).
     Not declared frozen because one is built per sequence per engine step and again per item
@@ -69,6 +72,7 @@ class StepOutput:
     queue_seconds: float = 0.0  # on a sequence's first sampled output: arrival to first step
     num_cached_tokens: int = 0  # on the first sampled output: prompt tokens the cache supplied
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked
+    error: PdServeError | None = None
 
     @property
     def finished(self) -> bool:
@@ -86,6 +90,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: PdServeError | None = None  # why the engine failed the request, if it did
 
     def add(self, out: StepOutput) -> None:
         self.token_ids.extend(out.token_ids)
@@ -95,3 +100,4 @@ class RequestOutput:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
+            self.error = out.error

@@ -10,7 +10,9 @@ of:
   (c) `release(rid, "aborted")` - the router gave up on the request (a failed decode hop);
   (b') `cancel(rid)` - as (b), for a router that never got the handle (its prefill call was
       cancelled while running, so Serve may drop the result); a grant still awaiting the
-      engine frees the prompt instead of leasing it;
+      engine frees the prompt instead of leasing it; a cancel that finds the request nowhere
+      is remembered (`cancelled`, for at least the lease period), so the request, arriving
+      after it, is dropped by the worker and never granted;
   (d) the lease expires (`expire_now`, run every interval by the expiry task): the last
       resort, for a release that never came.
 Then the keeper counts the reason (`ended`) and frees them on the engine thread (`Engine.release`);
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from cluster.engine.async_engine import AsyncEngine
 from cluster.errors import InvalidArgument, NotFound, Unauthenticated
 from cluster.kv_transfer.capability import Capability
+from prefill_worker.cancelled_ids import MAX_CANCELLED_IDS, CancelledIds
 
 log = logging.getLogger("ray.serve." + __name__)
 
@@ -61,6 +64,7 @@ class LeaseKeeper:
         lease_seconds: float,
         capability: Capability,
         clock: Callable[[], float] = time.time,
+        max_cancelled_ids: int = MAX_CANCELLED_IDS,
     ) -> None:
         if lease_seconds <= 0:
             raise InvalidArgument(f"lease_seconds must be positive, got {lease_seconds}")
@@ -72,6 +76,8 @@ class LeaseKeeper:
         self.ended = dict.fromkeys((*RELEASE_REASONS, "expired"), 0)  # leases ended, by reason
         self._leases: dict[str, _Lease] = {}
         self._granting: dict[str, bool] = {}  # grants awaiting the engine: cancelled meanwhile?
+        # Cancels that came before their request: kept a lease period, on the keeper's clock.
+        self.cancelled = CancelledIds(lease_seconds, max_cancelled_ids, clock)
         self._frees: set[asyncio.Task] = set()
         self._expiry_task: asyncio.Task | None = None
         self._empty = asyncio.Event()
@@ -93,7 +99,7 @@ class LeaseKeeper:
             raise
         finally:
             cancelled = self._granting.pop(request_id)
-        if cancelled:  # `cancel` came while we awaited: the caller is gone
+        if cancelled or request_id in self.cancelled:  # the caller is gone
             self._track(self.engine.call(lambda e: e.release(request_id)))
             raise NotFound(f"request {request_id!r} was cancelled")
         expiry = self.clock() + self.lease_seconds
@@ -151,13 +157,15 @@ class LeaseKeeper:
     async def cancel(self, request_id: str) -> bool:
         """Cancel `request_id` wherever it is on this worker (`CancelPrefill`): end its lease
         ("cancelled", True), make a grant in flight free the prompt instead, or else abort it
-        in the engine if it is queued, prefilling or prefilled but not yet leased (False)."""
+        in the engine if it is queued, prefilling or prefilled but not yet leased (False). An
+        id the engine does not know (its request not here yet) is remembered in `cancelled`."""
         if request_id in self._leases:
             return await self.release(request_id, "cancelled")
         if request_id in self._granting:
             self._granting[request_id] = True
             return False
-        await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
+        if not await asyncio.shield(self.engine.call(lambda e: e.abort(request_id))):
+            self.cancelled.add(request_id)
         return False
 
     async def expire_now(self) -> int:

@@ -5,7 +5,9 @@ every waiting prompt into the same steps under its token budget (long prompts ar
 Each finished prompt's KV blocks stay pinned under a lease until a decode worker fetches them
 through this replica's KV server, the router releases them (cancelled or aborted), or the lease
 expires. A call cancelled on the way (the router cancels it when its client leaves) frees what
-it holds: queued or prefilling, the engine aborts the prompt; prefilled, it is never leased.
+it holds: queued or prefilling, the engine aborts the prompt; prefilled, it is never leased. A
+call that arrives after its `CancelPrefill` is dropped before the engine sees it
+(`LeaseKeeper.cancelled`).
 
 Scale-down is drain-safe: a replica that Serve is removing refuses new prompts (UNAVAILABLE,
 so the router retries on another replica) and waits, up to its graceful shutdown timeout,
@@ -18,7 +20,7 @@ import time
 from dataclasses import replace
 
 from cluster.config import resolve_host
-from cluster.errors import Unavailable
+from cluster.errors import NotFound, Unavailable
 from cluster.kv_transfer.capability import Capability
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.request import Request
@@ -54,10 +56,12 @@ class PrefillWorker(EngineReplica):
         self._leases_reported: dict[str, int] = {}
 
     async def prefill(self, request: Request) -> PrefillResult:
-        """Prefill one prompt. Raises InvalidArgument / ResourceExhausted from admission, and
-        Unavailable while this replica drains."""
+        """Prefill one prompt. Raises InvalidArgument / ResourceExhausted from admission,
+        Unavailable while this replica drains, NotFound if it was cancelled before it came."""
         if self.draining:
             raise Unavailable("prefill replica is shutting down; retry on another")
+        if self.leases.cancelled.drop(request.request_id):
+            raise NotFound(f"request {request.request_id!r} was cancelled before it arrived")
         received = time.monotonic()
         request = replace(request, prefill_only=True, arrival_time=received)
         first = None

@@ -10,6 +10,11 @@ wake-up per step; see decode_worker/token_sender.py). A stop string found there 
 request on the engine thread; the tokens it sampled meanwhile are dropped. Without an output
 thread (`output_thread=False`, the serving default on a CPU, where both threads would want the
 same cores and the GIL) the engine thread does that work itself after each step.
+
+Fault domains. A request failed alone (`StepOutput.error`) has its stream or sink failed with
+its error. Anything else that escapes `Engine.step` or the output processor fails the engine
+(`_fail`): every stream fails with Unavailable (the router resumes it elsewhere), nothing more
+is admitted, and `alive` turns false, so Serve's health check replaces the replica.
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVCache, KVLayout
-from cluster.errors import NotFound
+from cluster.engine.step_sink import Flushable, StepSink
+from cluster.errors import NotFound, Unavailable
 from cluster.request import Request, StepOutput
 
 log = logging.getLogger("ray.serve." + __name__)
@@ -34,30 +41,12 @@ log = logging.getLogger("ray.serve." + __name__)
 T = TypeVar("T")
 
 
-class Flushable(Protocol):
-    def flush(self) -> list[str]:
-        """Send what the step's sinks queued; return the request ids whose streams broke."""
-
-
-class StepSink(Protocol):
-    """Takes one request's outputs on the output thread. `done` (an asyncio future of the
-    consuming loop) resolves once the last output was taken and fails if delivery broke."""
-
-    done: asyncio.Future
-
-    def put(self, out: StepOutput) -> Flushable | None: ...
-
-    def fail(self, exc: BaseException) -> None:
-        """Event loop thread: the request will get no more outputs."""
-
-
+@dataclass(frozen=True)
 class _Failed:
-    """Output queue item: a step raised; the engine aborted `request_ids` and every stream
-    fails with `exc`."""
+    """Output queue item: the engine failed; it aborted `request_ids`, every stream fails."""
 
-    def __init__(self, exc: BaseException, request_ids: list[str]) -> None:
-        self.exc = exc
-        self.request_ids = request_ids
+    exc: BaseException
+    request_ids: list[str]
 
 
 _END = object()  # output queue item: the engine thread has stopped
@@ -85,6 +74,7 @@ class AsyncEngine:
         self._output_thread: threading.Thread | None = None
         self.step_count = 0
         self.step_cpu_s = 0.0  # the engine thread's CPU time inside `Engine.step`
+        self.fault: BaseException | None = None  # what failed the engine (set once)
 
     def start(self) -> None:
         """Start the engine and output threads; call from the event loop that will consume
@@ -127,10 +117,10 @@ class AsyncEngine:
         return _thread_cpu_s(self._output_thread)
 
     def alive(self) -> bool:
-        """The engine thread runs, and the output thread where there is one (an engine whose
-        output thread died would serve no more text)."""
+        """No fault failed the engine, the engine thread runs, and the output thread where
+        there is one (an engine whose output thread died would serve no more text)."""
         threads = (self._thread, self._output_thread) if self.separate_output else (self._thread,)
-        return all(t is not None and t.is_alive() for t in threads)
+        return self.fault is None and all(t is not None and t.is_alive() for t in threads)
 
     # -- from any thread, without waiting for a step ---------------------------------------
 
@@ -237,14 +227,20 @@ class AsyncEngine:
         return self._drain(request_id, q)
 
     async def _admit(self, admit: Callable[[Engine], Any], undo: Callable[[Engine], Any]) -> None:
-        """`call(admit)`; if the caller is cancelled meanwhile, the command still runs on the
-        engine thread, so once it has admitted the request `undo` takes it out again."""
-        admitted = asyncio.ensure_future(self.call(admit))
+        """`call(admit)` (Unavailable once the engine failed); if the caller is cancelled
+        meanwhile, the command still runs on the engine thread, so once it has admitted the
+        request `undo` takes it out again."""
+        admitted = asyncio.ensure_future(self.call(lambda e: self._healthy() and admit(e)))
         try:
             await asyncio.shield(admitted)
         except asyncio.CancelledError:
             admitted.add_done_callback(lambda f: self._undo_if_admitted(f, undo))
             raise
+
+    def _healthy(self) -> bool:
+        if self.fault is not None:
+            raise Unavailable(f"this engine failed ({self.fault!r}); retry on another replica")
+        return True
 
     def _undo_if_admitted(self, admitted: asyncio.Future, undo: Callable[[Engine], Any]) -> None:
         if not admitted.cancelled() and admitted.exception() is None:
@@ -276,15 +272,15 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopped:
             self._run_commands()
-            if not self.engine.has_work():
+            if self.fault is not None or not self.engine.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             began = time.thread_time()
             try:
                 outputs = self.engine.step()
-            except BaseException as exc:  # a bug in the step: fail every stream, keep serving
-                self._fail_all(exc)
+            except BaseException as exc:  # the forward pass or the scheduler: the engine's
+                self._fail(exc)
                 continue
             finally:
                 self.step_cpu_s += time.thread_time() - began
@@ -334,9 +330,8 @@ class AsyncEngine:
             return
         try:
             outputs, stopped = processor.process(item)
-        except BaseException as exc:  # a bug in detokenization: fail those requests
-            log.exception("output processing failed")
-            self._command(lambda e, exc=exc: self._fail_all(exc))
+        except BaseException as exc:  # not one request's: the processor itself
+            self._command(lambda e, exc=exc: self._fail(exc))
             return
         for request_id in stopped:
             self._command(lambda e, rid=request_id: e.abort(rid))
@@ -357,6 +352,9 @@ class AsyncEngine:
                 continue
             if out.finished:
                 self._sinks.pop(out.request_id, None)
+            if out.error is not None:
+                self._loop.call_soon_threadsafe(sink.fail, out.error)
+                continue
             conn = sink.put(out)
             if conn is not None:  # None: held for the request's stream interval
                 touched[id(conn)] = conn
@@ -369,15 +367,17 @@ class AsyncEngine:
         for out in outputs:
             q = self._streams.get(out.request_id)
             if q is not None:
-                q.put_nowait(out)
+                q.put_nowait(out if out.error is None else out.error)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        """Engine thread: abort every request; the output thread fails every stream, after
-        the outputs handed over before."""
-        ids = list(self.engine.seqs)
-        for rid in ids:
-            self.engine.abort(rid)
-        self._deliver(_Failed(exc, ids))
+    def _fail(self, exc: BaseException) -> None:
+        """Engine thread: mark the engine failed (nothing more is admitted or stepped), abort
+        every request; the output thread fails every stream after the outputs before."""
+        if self.fault is not None:
+            return
+        log.error("the engine failed; its streams fail over and it reports unhealthy", exc_info=exc)
+        self.fault = exc
+        ids = [rid for rid in list(self.engine.seqs) if self.engine.abort(rid)]
+        self._deliver(_Failed(Unavailable(f"the engine of this replica failed: {exc!r}"), ids))
 
     def _fail_streams(self, exc: BaseException) -> None:
         for q in self._streams.values():

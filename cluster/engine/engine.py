@@ -5,11 +5,17 @@ requests they are given: the prefill pool submits `prefill_only` requests (the e
 after the first token and holds the prompt's KV for export), the decode pool imports KV with
 `import_kv` and decodes, and a colocated engine does both for plain requests.
 
+Fault domains: a request's own failure (no token to sample, an exception in its sampling,
+its stop check or its text) ends that request alone, its blocks freed, with an output that
+carries the error (`StepOutput.error`); the rest of the batch goes on. An exception that
+escapes `step` (the forward pass, the scheduler) is the engine's: its caller stops trusting it.
+
 Not thread-safe: one thread drives an engine (see `AsyncEngine` for use from asyncio).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -24,10 +30,18 @@ from cluster.engine.model_runner import ModelRunner
 from cluster.engine.output_processor import OutputProcessor
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence, SequenceStatus
-from cluster.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from cluster.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PdServeError,
+    ResourceExhausted,
+)
 from cluster.model.info import ArchSpec
 from cluster.model.loader import LoadedModel, load_model
 from cluster.request import FinishReason, Request, RequestOutput, StepOutput, TokenLogprobs
+
+log = logging.getLogger("ray.serve." + __name__)
 
 
 @dataclass(frozen=True)
@@ -190,17 +204,26 @@ class Engine:
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         if plan.scheduled:
-            tokens, logprobs = self.runner.run(plan.scheduled)
+            sampled = self.runner.run(plan.scheduled)
             self.scheduler.computed(plan.scheduled)
             sampling = [s for s in plan.scheduled if s.samples]
             self.generated_tokens += len(sampling)
-            for s, token, lp in zip(sampling, tokens, logprobs, strict=True):
-                outputs.append(self._append(s.seq, token, lp))
+            vocab = self.info.spec.vocab_size
+            rows = zip(sampling, sampled.tokens, sampled.logprobs, strict=True)
+            for row, (s, token, lp) in enumerate(rows):
+                try:
+                    if not 0 <= token < vocab:  # never fed back to the model
+                        raise sampled.errors.get(row) or PdServeError(f"sampled token {token}")
+                    outputs.append(self._append(s.seq, token, lp))
+                except Exception as e:
+                    outputs.append(self._fail(s.seq, e))
         if not self.detokenize_in_step:
             return outputs
         outputs, stopped = self.output_processor.process(outputs)
-        for request_id in stopped:  # ended by a stop string: finished here, nothing pending
-            self._finish(self.seqs[request_id], "stop")
+        for request_id in stopped:  # ended by a stop string (or its text failed): nothing pending
+            seq = self.seqs.get(request_id)
+            if seq is not None:
+                self._finish(seq, "stop")
         self.output_processor.forget(stopped)
         return outputs
 
@@ -219,6 +242,20 @@ class Engine:
         rid, n_prompt = seq.request_id, seq.num_prompt_tokens
         # Positional: built per sequence per step, where keywords cost a frozen dataclass more.
         return StepOutput(rid, (token,), "", reason, n_prompt, n_out, queued, cached, lps)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
+        """End one request on a failure of its own and free its blocks; its last output
+        carries the error (a PdServeError as it is, anything else as INTERNAL)."""
+        rid = seq.request_id
+        log.warning("request %s failed alone: %r", rid, exc, exc_info=_is_bug(exc))
+        if not isinstance(exc, PdServeError):
+            exc = PdServeError(f"request {rid!r} failed in the engine: {exc!r}")
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        if self.seqs.get(rid) is seq:
+            self._free(seq)
+        n_prompt, n_out = seq.num_prompt_tokens, seq.num_output_tokens
+        return StepOutput(rid, (), "", "abort", n_prompt, n_out, error=exc)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)
@@ -298,6 +335,11 @@ class Engine:
             for out in self.step():
                 results[out.request_id].add(out)
         return list(results.values())
+
+
+def _is_bug(exc: Exception) -> bool:
+    """Whether a request's failure deserves a traceback in the log (not a documented error)."""
+    return not isinstance(exc, PdServeError) or type(exc) is PdServeError
 
 
 def _check_resumed(request: Request, vocab: int, max_model_len: int) -> None:

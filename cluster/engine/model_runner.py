@@ -1,18 +1,26 @@
 """Run one scheduled batch through the model and sample the sequences that reached their end.
 
 A decode step replays a captured graph where the runner has `graphs` (a GPU, `model.cuda_graphs`,
-see `cluster.engine.cuda_graphs`); everything else runs eagerly."""
+see `cluster.engine.cuda_graphs`); everything else runs eagerly.
+
+Fault domains: an exception in the forward pass is the whole step's (the engine's caller
+decides what a failed engine does); sampling is per request. A row with no token to pick, or
+whose sampling settings make the batched pass raise, gets an error of its own in `Sampled`
+(the pass is then redone row by row, so only the rows that raise alone fail)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from cluster.engine.cuda_graphs import DecodeGraphs
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.sampler import Sampler
+from cluster.engine.sampler import NO_TOKEN, Sampler, no_token_error
 from cluster.engine.scheduler import ScheduledSeq
+from cluster.engine.sequence import Sequence
+from cluster.errors import PdServeError
 from cluster.model.attention import AttentionMetadata, build_decode_group, build_prefill_group
 from cluster.model.decode_attention import select_decode_attention
 from cluster.model.decoder import CausalLM
@@ -22,6 +30,19 @@ from cluster.model.triton_attention import (
     upload,
 )
 from cluster.request import TokenLogprobs
+
+log = logging.getLogger("ray.serve." + __name__)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What one step sampled, per sampling sequence in row order: its token (NO_TOKEN where
+    it has none), its logprobs where the request asked, and for each row without a token the
+    error that fails that request alone."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    errors: dict[int, PdServeError]
 
 
 @dataclass(frozen=True)
@@ -115,9 +136,9 @@ class ModelRunner:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def run(self, scheduled: list[ScheduledSeq]) -> Sampled:
         """Compute KV for every scheduled token; return, per sampling seq, the sampled token
-        and (if its request asked) the token's logprobs."""
+        and (if its request asked) the token's logprobs, or why it has none."""
         if self.graphs is not None and self.graphs.fits(scheduled):
             return self._sample(self.graphs.run(scheduled), scheduled)
         batch = self.prepare(scheduled)
@@ -125,15 +146,24 @@ class ModelRunner:
             batch.input_ids, batch.positions, self.kv_cache.layers(), batch.attention
         )
         if not batch.samplers:
-            return [], []
+            return Sampled([], [], {})
         return self._sample(self.model.logits(hidden[batch.sample_rows]), batch.samplers)
 
     def _sample(
         self,
         logits: torch.Tensor,  # [S, vocab]
         samplers: list[ScheduledSeq],
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    ) -> Sampled:
         seqs = [s.seq for s in samplers]
+        try:
+            return self._pick(logits, seqs)
+        except Exception:
+            log.exception("sampling a batch of %d rows failed; sampling each row alone", len(seqs))
+        picked = [self._pick_alone(logits[r : r + 1], seq) for r, seq in enumerate(seqs)]
+        errors = {r: p.errors[0] for r, p in enumerate(picked) if p.errors}
+        return Sampled([p.tokens[0] for p in picked], [p.logprobs[0] for p in picked], errors)
+
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         tokens = self.sampler(
             logits,
             [q.params for q in seqs],
@@ -141,7 +171,25 @@ class ModelRunner:
             [q.num_output_tokens for q in seqs],
             [q.token_ids for q in seqs],
         )
-        return tokens, self.sampler.logprobs(logits, tokens, [q.params.logprobs for q in seqs])
+        wanted = [q.params.logprobs for q in seqs]
+        errors: dict[int, PdServeError] = {}
+        if NO_TOKEN in tokens:  # the failure path: read those rows back to say why
+            errors = {
+                r: no_token_error(logits[r], q.params, q.token_ids, q.num_output_tokens)
+                for r, (q, t) in enumerate(zip(seqs, tokens, strict=True))
+                if t == NO_TOKEN
+            }
+            wanted = [None if r in errors else n for r, n in enumerate(wanted)]
+        logprobs = self.sampler.logprobs(logits, tokens, wanted)
+        return Sampled(tokens, logprobs, errors)
+
+    def _pick_alone(self, logits: torch.Tensor, seq: Sequence) -> Sampled:
+        try:
+            return self._pick(logits, [seq])
+        except Exception as e:
+            log.exception("sampling request %s failed", seq.request_id)
+            error = e if isinstance(e, PdServeError) else PdServeError(f"sampling failed: {e!r}")
+            return Sampled([NO_TOKEN], [None], {0: error})
 
 
 def _to_device(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:

@@ -14,14 +14,24 @@ the engine to abort (`Engine.abort`, which frees its blocks), and the engine's l
 for it (tokens sampled before the abort took effect, the abort's own) are dropped. A prefilled
 output ("prefilled": its KV is held for export) whose first token completes a stop string goes
 out as "stop" and is returned too, so the held blocks are freed instead of exported.
+
+Fault domain: one request. An exception while making one output's text (its detokenizer, its
+stop strings) fails that request alone, as the engine fails one (`StepOutput.error`, finish
+reason "abort"): returned for the engine to end like a stopped one; the other outputs go on.
+An output that already carries an engine error passes through and ends the request's state.
 """
 
 from __future__ import annotations
 
+import logging
+
 from transformers import PreTrainedTokenizerBase
 
 from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.errors import PdServeError
 from cluster.request import StepOutput
+
+log = logging.getLogger("ray.serve." + __name__)
 
 # A request stopped here whose sequence the engine has not ended yet: its outputs are dropped.
 _STOPPED = object()
@@ -56,24 +66,52 @@ class OutputProcessor:
         done: list[StepOutput] = []
         stopped: list[str] = []
         for out in outputs:
-            rid = out.request_id
-            detok = self._detok.get(rid)
-            if detok is None:  # the request's first output here
-                detok = self._detokenizer(rid)
-                if detok is None:  # never registered: passed on as it is
-                    done.append(out)
-                    continue
-            elif detok is _STOPPED:
-                if out.finished:
-                    del self._detok[rid]
-                continue
-            processed = self._text(detok, out)
-            if processed.finish_reason == "stop" and out.finish_reason != "stop":
-                stopped.append(rid)
-                if out.finish_reason is None:  # the sequence goes on until the abort lands
-                    self._detok[rid] = _STOPPED
-            done.append(processed)
+            try:
+                processed = self._one(out, stopped)
+            except Exception as e:
+                processed = self._failed(out, e, stopped)
+            if processed is not None:
+                done.append(processed)
         return done, stopped
+
+    def _one(self, out: StepOutput, stopped: list[str]) -> StepOutput | None:
+        rid = out.request_id
+        detok = self._detok.get(rid)
+        if detok is _STOPPED:
+            if out.finished:
+                del self._detok[rid]
+            return None
+        if out.error is not None:  # the engine failed it: nothing more comes
+            self._detok.pop(rid, None)
+            self._new.pop(rid, None)
+            return out
+        if detok is None:  # the request's first output here
+            detok = self._detokenizer(rid)
+            if detok is None:  # never registered: passed on as it is
+                return out
+        processed = self._text(detok, out)
+        if processed.finish_reason == "stop" and out.finish_reason != "stop":
+            self._end(out, stopped)
+        return processed
+
+    def _failed(self, out: StepOutput, exc: Exception, stopped: list[str]) -> StepOutput:
+        """`out`'s request, whose text raised `exc`, ends here with the error."""
+        rid = out.request_id
+        log.exception("making the text of request %s failed", rid)
+        self._detok.pop(rid, None)
+        self._new.pop(rid, None)
+        self._end(out, stopped)
+        error = PdServeError(f"making the text of request {rid!r} failed: {exc!r}")
+        n_prompt, n_out = out.num_prompt_tokens, out.num_output_tokens
+        return StepOutput(rid, (), "", "abort", n_prompt, n_out, error=error)
+
+    def _end(self, out: StepOutput, stopped: list[str]) -> None:
+        """`out`'s sequence ends here: returned for the engine to end, unless it has ended
+        already; the outputs the engine makes of it meanwhile are dropped."""
+        if out.finish_reason in (None, "prefilled"):
+            stopped.append(out.request_id)
+        if out.finish_reason is None:  # the sequence goes on until the abort lands
+            self._detok[out.request_id] = _STOPPED
 
     def forget(self, request_ids: list[str]) -> None:
         """`process`'s thread: the engine dropped these requests without outputs (a failed

@@ -6,6 +6,11 @@ Every sampled row of a step is filtered and drawn at once, on the logits' device
 step's tokens come back to the host in one copy: on a GPU a batch of sampled rows costs a
 fixed few dozen kernels and one sync, not a host round trip per row.
 
+A row with no token to pick (its logits, after its own bias, penalties and temperature, are not
+finite: NaN, or overflowed to infinity) gets `NO_TOKEN` instead of an id, decided on the device
+with the rest of the step, so the caller fails that request alone; every id returned otherwise
+lies in the vocabulary.
+
 Reproducibility: the draw for a sequence's output position `i` is inverse-CDF sampling with
 one uniform number, made on the host from `mix_seed(seed, i)`: the first token whose running
 (float64) sum of the filtered probabilities passes that fraction of their total. Each row's
@@ -21,11 +26,13 @@ from collections.abc import Sequence
 import torch
 
 from cluster.engine.penalties import apply_penalties
+from cluster.errors import InvalidArgument, PdServeError
 from cluster.model.triton_attention import upload
 from cluster.request import TokenLogprobs
 from cluster.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+NO_TOKEN = -1  # a row whose logits left no token to pick
 
 
 def mix_seed(seed: int, position: int) -> int:
@@ -46,8 +53,9 @@ class Sampler:
         positions: list[int],  # output position each row samples (= output tokens so far)
         histories: Sequence[Sequence[int]] = (),  # each row's tokens; read only for penalties
     ) -> list[int]:
-        """The token each row picks. `logits` is left as it is (logprobs read it raw)."""
-        tokens = logits.max(dim=-1).indices  # argmax; max() is the faster kernel
+        """The token each row picks, or NO_TOKEN for a row whose logits are not finite after
+        its adjustments (see above). `logits` is left as it is (logprobs read it raw)."""
+        tokens = _argmax(logits)
         adjusted: list[int] = []
         sampled: list[int] = []
         for row, p in enumerate(params):  # one pass: this is per step, per row
@@ -63,7 +71,7 @@ class Sampler:
                 [histories[r] for r in adjusted],
                 [positions[r] for r in adjusted],
             )
-            tokens = tokens.index_copy(0, index, sub.max(dim=-1).indices)
+            tokens = tokens.index_copy(0, index, _argmax(sub))
         if sampled:
             n = len(sampled)
             u = [uniform(mix_seed(seeds[r], positions[r])) for r in sampled]
@@ -108,6 +116,34 @@ class Sampler:
         return out
 
 
+def no_token_error(
+    logits: torch.Tensor,  # [vocab] the row's raw logits
+    params: SamplingParams,
+    history: Sequence[int],  # the row's tokens so far: prompt, then output
+    num_outputs: int,  # how many of them are output tokens
+) -> PdServeError:
+    """Why a row got NO_TOKEN, for its request's error; reads the row back from the device, so
+    only the failure path calls it. Raw logits that are not finite are the model's fault
+    (INTERNAL); else the request's own settings overflowed them: the repetition penalty where
+    the adjusted logits are not finite, else the temperature (INVALID_ARGUMENT, field named)."""
+    row = logits[None].float()
+    if not bool(row.isfinite().all()):
+        return PdServeError("the model's logits for this request are not finite")
+    if params.adjusts_logits:
+        row = apply_penalties(row.clone(), [params], [history], [num_outputs])
+        if not bool(row.isfinite().all()):
+            return InvalidArgument(
+                f"repetition_penalty {params.repetition_penalty:g} makes this request's logits "
+                "overflow: no token can be picked",
+                param="repetition_penalty",
+            )
+    return InvalidArgument(
+        f"temperature {params.temperature:g} makes this request's logits overflow: no token "
+        "can be sampled (use a larger temperature, or 0 for greedy)",
+        param="temperature",
+    )
+
+
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """[R, vocab]: the distribution each row draws from, not renormalised: temperature, then
     top-k, top-p and min-p, in the order of transformers' warpers (zero: filtered out). All
@@ -148,9 +184,22 @@ def uniform(seed: int) -> float:
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [R] token ids
     """Row r's token: the first whose running sum of `probs[r]` (float64) passes `u[r]` (a
     float64 in [0, 1), on the same device) of the row's total. A token filtered to zero has an
-    empty interval and is never drawn."""
+    empty interval and is never drawn; a row whose total is not a positive number (a NaN
+    anywhere, or nothing left) draws NO_TOKEN."""
     cdf = probs.cumsum(-1, dtype=torch.float64)
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    total = cdf[:, -1]
+    picked = torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1)
+    # `total > 0` is false for NaN; `picked` can only reach the row's end through rounding.
+    valid = (total > 0) & total.isfinite() & (picked < probs.shape[-1])
+    return picked.where(valid, NO_TOKEN)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] token ids
+    """Each row's most likely token; NO_TOKEN where the row's largest logit is not finite
+    (max() propagates NaN, so that covers a NaN anywhere in the row). max() is the faster
+    kernel than argmax."""
+    best = logits.max(dim=-1)
+    return best.indices.where(best.values.isfinite(), NO_TOKEN)
 
 
 def _long(values: list[int], like: torch.Tensor) -> torch.Tensor:

@@ -116,10 +116,10 @@ class EngineReplica:
         }
 
     async def check_health(self) -> None:
-        """Serve's health probe: the engine thread and its output thread (if any) must be
-        alive."""
+        """Serve's health probe: the engine must not have failed, and its engine thread and
+        output thread (if any) must be alive; else Serve replaces this replica."""
         if not self.engine.alive():
-            raise RuntimeError("engine thread or output thread is not running")
+            raise RuntimeError(f"engine unhealthy: {self.engine.fault or 'a thread stopped'!r}")
 
     async def _report_loop(self) -> None:
         while True:

@@ -26,6 +26,7 @@ STREAMS = 12
 SEEDED = 4  # of the STREAMS, this many sample (seeded), the rest are greedy
 MAX_TOKENS = 96
 VOCAB = 4096  # the `tiny` preset's
+EXPORT_PERIOD_S = 10.0  # Ray's metrics_report_interval_ms: how often a process's metrics go out
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +149,45 @@ def _exported_migrations(metrics_port: int, want: int) -> int:
         time.sleep(1.0)
 
 
+def _prefill_calls(metrics_port: int) -> int:
+    """The calls the faults app's routers made to its Prefill deployment, each try and retry,
+    as Serve's own handle counter (`serve_num_router_requests`) has them in the export."""
+    calls = 0
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read()
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            labels = sample.labels
+            if (
+                sample.name == "ray_serve_num_router_requests_total"
+                and labels.get("application") == FAULTS
+                and labels.get("deployment") == "Prefill"
+            ):
+                calls += int(sample.value)
+    return calls
+
+
+def _settled_prefill_calls(metrics_port: int) -> int:
+    """`_prefill_calls` once unchanged for longer than Ray's export period: no call made
+    before is still on its way to the export."""
+    last, since = _prefill_calls(metrics_port), time.monotonic()
+    deadline = since + 90.0
+    while time.monotonic() - since < EXPORT_PERIOD_S + 2.0:
+        assert time.monotonic() < deadline, "Serve's handle counter never settled"
+        time.sleep(1.0)
+        now = _prefill_calls(metrics_port)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def _prefill_calls_past(metrics_port: int, floor: int) -> int:
+    """`_prefill_calls`, polled until it passes `floor` or two export periods pass."""
+    deadline = time.monotonic() + 2 * EXPORT_PERIOD_S + 5.0
+    while (calls := _prefill_calls(metrics_port)) <= floor and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return calls
+
+
 def _check(streams, reference, path, hf, indices: list[int] | None = None) -> int:
     """Every stream ended normally with the unfaulted tokens; returns the migrations.
     `indices`: which of the requests the streams are (all, in order, by default)."""
@@ -184,10 +224,14 @@ def test_a_prefill_replica_killed_around_the_hand_off_costs_no_request(
     faults, tokenizer_model_dir, hf
 ):
     """Killed as the first prompt's KV starts to move: the others are still prefilling, or
-    their KV is on its way from the dead replica; all of them are prefilled again elsewhere."""
+    their KV is on its way from the dead replica; all of them are prefilled again elsewhere
+    (the routers called the prefill pool more than once for some of them)."""
+    before = _settled_prefill_calls(faults.metrics_port)
     streams = _run_killing(faults, "Prefill", _first_token_out)
+    calls = _prefill_calls_past(faults.metrics_port, before + STREAMS) - before
     reference = _run_killing(faults, None)
     _check(streams, reference, tokenizer_model_dir, hf)
+    assert calls > STREAMS, f"{calls} prefill calls for {STREAMS} streams: nothing was retried"
     wait_for_idle(faults, FAULTS, {"prefill", "decode"}, timeout=60.0)
 
 

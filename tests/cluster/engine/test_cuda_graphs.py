@@ -249,8 +249,8 @@ def test_no_engine_step_on_the_gpu_path_waits_on_the_device(model_dir, make_engi
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_cuda_graph_decode_gives_the_eager_tokens(arch, dtype, model_dir, make_engine):
     """Exact in fp32. In bf16, a padded replay runs its GEMMs at the bucket's row count, which
-    may round differently from the eager step's; where the tokens then part, the graph's run
-    must still be greedy up to bf16 rounding (test_engine_bf16.py's teacher-forced check)."""
+    may round differently from the eager step's, so the graph's run, equal to the eager one or
+    not, must be greedy up to bf16 rounding (test_engine_bf16.py's teacher-forced check)."""
     path = model_dir(arch)
     kw = dict(SETTINGS, device="cuda", dtype=dtype, num_blocks=64)  # not sized from memory
     graphed = make_engine(path, **kw)
@@ -261,7 +261,8 @@ def test_cuda_graph_decode_gives_the_eager_tokens(arch, dtype, model_dir, make_e
     assert any(n < bucket for n, bucket in replays.log)
     for rid, ids in prompts_of().items():
         tokens = got[rid].token_ids
-        if dtype == "float32" or tokens == want[rid].token_ids:
+        assert len(tokens) == len(want[rid].token_ids), rid
+        if dtype == "float32":
             assert tokens == want[rid].token_ids, rid
         else:
             assert_argmax_up_to_rounding(path, "cuda", ids, tokens)

@@ -50,6 +50,8 @@ def _reference(q, k_cache, v_cache, layout, scale, window):
         idx = torch.tensor(table, device=q.device)
         k = k_cache[idx].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, H, D]
         v = v_cache[idx].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        # The table holds exactly the blocks the context fills: all n keys, none past them.
+        assert k.shape[0] == n and len(table) == -(-n // block_size), (n, len(table))
         qs = q[start : start + q_len].float()  # [q_len, H, D]
         s = torch.einsum("qhd,khd->hqk", qs, k) * scale
         q_pos = torch.arange(ctx, n, device=q.device)[:, None]
@@ -59,7 +61,6 @@ def _reference(q, k_cache, v_cache, layout, scale, window):
             seen &= k_pos > q_pos - window
         s = s.masked_fill(~seen, float("-inf"))
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-    assert block_size > 0
     return out
 
 

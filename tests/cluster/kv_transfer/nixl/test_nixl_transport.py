@@ -199,13 +199,21 @@ def test_a_cancelled_read_ends_only_after_the_read_and_frees_both_sides(llama_di
                 return result
 
             agent.read = slow_read
+            engine, freed = p.decode.engine, []
+            cancel_import = engine.cancel_import
+
+            def recorded_cancel_import(rid: str) -> bool:
+                freed.append(time.monotonic())
+                return cancel_import(rid)
+
+            engine.cancel_import = recorded_cancel_import
             task = asyncio.ensure_future(p.fetch_and_decode(handle, ids))
             await asyncio.sleep(0.2)
             assert p.server.senders["nixl"].holds == 1  # the lease is pinned for the reader
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert ended and ended[0] <= time.monotonic()  # the READ finished before the free
+            assert ended and freed and ended[0] <= freed[0]  # the READ ended before the free
             agent.read = real_read
             assert await p.used_blocks() == (40 // 16 + 1, 0)  # the lease still holds
             for _ in range(100):  # the server sees the hold's call cancelled

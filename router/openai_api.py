@@ -310,7 +310,8 @@ async def _http_error(request: Request, e: Exception) -> Response:
         kind = "invalid_request_error"
     else:
         kind = "internal_error"
-    error = ErrorInfo(message=str(e.detail), type=kind)
+    code = "request_too_large" if e.status_code == 413 else None  # as router/body_limit.py
+    error = ErrorInfo(message=str(e.detail), type=kind, code=code)
     return _json(ErrorResponse(error=error), e.status_code, e.headers)
 
 

@@ -86,6 +86,8 @@ class SamplingParams:
             raise InvalidArgument(
                 f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", param="stop"
             )
+        if not all(_is_unicode(s) for s in self.stop):
+            raise InvalidArgument("stop strings must be valid Unicode", param="stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidArgument(
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
@@ -141,6 +143,15 @@ class SamplingParams:
             or self.frequency_penalty
             or self.presence_penalty
         )
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` has a UTF-8 form (a lone surrogate, which JSON can escape, has none)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _number_in(value: object, low: float, high: float) -> bool:

@@ -39,6 +39,7 @@ from cluster.sampling_params import (
         pytest.param({"temperature": math.inf}, "temperature", id="temperature-inf"),
         pytest.param({"temperature": math.nan}, "temperature", id="temperature-nan"),
         pytest.param({"temperature": "1"}, "temperature", id="temperature-string"),
+        pytest.param({"stop": ("ok", "a\ud800")}, "stop", id="stop-lone-surrogate"),
         pytest.param({"min_p": -0.1}, "min_p", id="min_p<0"),
         pytest.param({"min_p": 1.01}, "min_p", id="min_p>1"),
         pytest.param({"min_p": math.nan}, "min_p", id="min_p-nan"),

@@ -297,8 +297,8 @@ class Orchestrator:
             raise
 
     async def close(self) -> None:
-        """Let the lease releases on their way go out; close the KV client; record the
-        metric values still batched."""
+        """Let the lease releases on their way go out; close the KV client and the tokenizer's
+        threads; record the metric values still batched."""
         await self.leases.close()
         self.prompts.close()
         if self.metrics is not None:

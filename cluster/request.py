@@ -6,11 +6,28 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cluster.errors import PdServeError
+from cluster.errors import InvalidArgument, PdServeError
 from cluster.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "prefilled"]
 MAX_STREAM_INTERVAL = 4096  # tokens per streamed message, at most
+# A client's request id is a label: at most this many printable ASCII characters (the token
+# frames between workers and routers carry ids of up to 256).
+MAX_REQUEST_ID_BYTES = 256
+
+
+def check_request_id(request_id: str) -> None:
+    """Refuse, naming `request_id`, an id longer than `MAX_REQUEST_ID_BYTES` or with a
+    character outside printable ASCII (space to `~`)."""
+    if len(request_id) > MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument(
+            f"request_id must be at most {MAX_REQUEST_ID_BYTES} characters, got {len(request_id)}",
+            param="request_id",
+        )
+    if not all(" " <= c <= "~" for c in request_id):
+        raise InvalidArgument(
+            "request_id must be printable ASCII (space to '~')", param="request_id"
+        )
 
 
 @dataclass(frozen=True)

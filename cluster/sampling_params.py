@@ -18,11 +18,21 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI
 MAX_BIAS = 100.0  # logit_bias values lie in [-100, 100], as OpenAI
+# A temperature below the floor is greedy (vLLM's 1e-5): dividing logits by a tinier one
+# overflows them in float32. Above the ceiling sampling is uniform noise already.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+# repetition_penalty divides (or multiplies) a logit by at most 100: beyond that range the
+# penalty no longer nudges, it bans or forces tokens, and with the temperature floor the
+# adjusted logits stay far inside float32's range.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """`temperature == 0` is greedy. `top_k == 0` turns top-k off. `seed` makes sampling
+    """`temperature == 0` is greedy, and so is one below `MIN_TEMPERATURE` (made 0 here).
+    `top_k == 0` turns top-k off. `seed` makes sampling
     reproducible: the token drawn at output position i depends only on (seed, i) and the logits,
     never on the batch or the worker that ran the step."""
 
@@ -53,11 +63,13 @@ class SamplingParams:
             raise InvalidArgument(
                 f"max_tokens must be a positive integer, got {self.max_tokens}", param="max_tokens"
             )
-        if math.isnan(self.temperature) or math.isinf(self.temperature) or self.temperature < 0:
+        if not _number_in(self.temperature, 0.0, MAX_TEMPERATURE):
             raise InvalidArgument(
-                f"temperature must be a finite number >= 0, got {self.temperature}",
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
                 param="temperature",
             )
+        if self.temperature < MIN_TEMPERATURE:  # frozen: normalised once, here
+            object.__setattr__(self, "temperature", 0.0)
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:
@@ -74,6 +86,8 @@ class SamplingParams:
             raise InvalidArgument(
                 f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", param="stop"
             )
+        if not all(_is_unicode(s) for s in self.stop):
+            raise InvalidArgument("stop strings must be valid Unicode", param="stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidArgument(
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
@@ -96,9 +110,10 @@ class SamplingParams:
                     param=name,
                 )
         rp = self.repetition_penalty
-        if not _number_in(rp, 0.0, math.inf) or not 0.0 < rp < math.inf:
+        if not _number_in(rp, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY):
             raise InvalidArgument(
-                f"repetition_penalty must be a finite number > 0, got {rp}",
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}], got {rp}",
                 param="repetition_penalty",
             )
         if not _number_in(self.min_p, 0.0, 1.0):
@@ -128,6 +143,15 @@ class SamplingParams:
             or self.frequency_penalty
             or self.presence_penalty
         )
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` has a UTF-8 form (a lone surrogate, which JSON can escape, has none)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _number_in(value: object, low: float, high: float) -> bool:

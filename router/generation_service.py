@@ -45,7 +45,7 @@ class GenerationService(Protocol):
         """The request's sampling parameters, server defaults filled in for fields left None."""
         ...
 
-    def build_request(
+    async def build_request(
         self,
         prompt: str | None,
         prompt_token_ids: list[int] | None,
@@ -53,12 +53,15 @@ class GenerationService(Protocol):
         request_id: str | None = None,
         stream_interval: int | None = None,
     ) -> Request:
-        """Hop 1: tokenize and validate. Raises InvalidArgument (naming the field).
-        `stream_interval` None: the server's."""
+        """Hop 1: tokenize and validate. Raises InvalidArgument (naming the field): a
+        `request_id` that is not a label (`cluster.request.check_request_id`),
+        text too large for the context (checked before it is tokenized), bad values. A long
+        prompt is tokenized off the event loop. `stream_interval` None: the server's."""
         ...
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Chat messages rendered with the model's chat template, tokenized."""
+    async def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Chat messages rendered with the model's chat template, tokenized; bounded in count
+        and size before they are rendered (router/prompt_tokenizer.py)."""
         ...
 
     def token_text(self, token_id: int) -> str:

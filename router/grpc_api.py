@@ -20,7 +20,7 @@ _FINISH = {
 }
 
 
-def request_from_proto(req: pb.GenerateRequest, service: GenerationService) -> Request:
+async def request_from_proto(req: pb.GenerateRequest, service: GenerationService) -> Request:
     """Validate a GenerateRequest (unset fields take their documented defaults)."""
     if req.model and req.model not in service.model.names:
         raise NotFound(f"model {req.model!r} is not served here", param="model")
@@ -44,7 +44,7 @@ def request_from_proto(req: pb.GenerateRequest, service: GenerationService) -> R
         min_p=s.min_p,
     )
     params.check_vocab(service.model.vocab_size)
-    return service.build_request(
+    return await service.build_request(
         req.prompt or None,
         list(req.prompt_token_ids) or None,
         params,
@@ -59,7 +59,7 @@ async def generate_responses(
     """`Generate`'s stream, as both gRPC endpoints serve it (Serve's proxy and the router's
     own): the request validated, then a response per chunk; closing it early closes the
     service's stream (which aborts the request and frees its KV)."""
-    request = request_from_proto(req, service)
+    request = await request_from_proto(req, service)
     async with aclosing(service.generate(request)) as chunks:
         async for chunk in chunks:
             yield chunk_to_proto(chunk)

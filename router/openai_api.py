@@ -83,7 +83,7 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         params = service.sampling_params(**body.sampling_fields(body.max_tokens))
         params.check_vocab(service.model.vocab_size)
         prompt, prompt_token_ids = body.prompt_input()
-        request = service.build_request(prompt, prompt_token_ids, params)
+        request = await service.build_request(prompt, prompt_token_ids, params)
         view = CompletionView(
             f"cmpl-{request.request_id}", int(time.time()), model, service.token_text
         )
@@ -95,8 +95,8 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         model = _served_model(service, body.model)
         params = service.sampling_params(**body.sampling_fields(body.token_limit))
         params.check_vocab(service.model.vocab_size)
-        prompt_token_ids = service.chat_prompt([m.for_template() for m in body.messages])
-        request = service.build_request(None, prompt_token_ids, params)
+        prompt_token_ids = await service.chat_prompt([m.for_template() for m in body.messages])
+        request = await service.build_request(None, prompt_token_ids, params)
         view = ChatView(
             f"chatcmpl-{request.request_id}", int(time.time()), model, service.token_text
         )
@@ -310,7 +310,8 @@ async def _http_error(request: Request, e: Exception) -> Response:
         kind = "invalid_request_error"
     else:
         kind = "internal_error"
-    error = ErrorInfo(message=str(e.detail), type=kind)
+    code = "request_too_large" if e.status_code == 413 else None  # as router/body_limit.py
+    error = ErrorInfo(message=str(e.detail), type=kind, code=code)
     return _json(ErrorResponse(error=error), e.status_code, e.headers)
 
 

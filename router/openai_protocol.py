@@ -29,6 +29,9 @@ def _omitted_when_none(default: Any = None) -> Any:
 # -- requests ----------------------------------------------------------------------------------
 
 
+MAX_TOKEN_ID_DIGITS = 10  # token ids are below 2**31
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -69,9 +72,15 @@ class _SamplingBody(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        bad = [k for k in bias or {} if not k.isascii() or not k.isdigit()]
+        # A key longer than any token id is refused before `int` reads it (past 4,300 digits
+        # `int` raises, and reading a long one costs time).
+        bad = [
+            k[:12] + "..." if len(k) > 12 else k
+            for k in bias or {}
+            if not k.isascii() or not k.isdigit() or len(k) > MAX_TOKEN_ID_DIGITS
+        ]
         if bad:
-            raise ValueError(f"keys must be token ids (non-negative integers), got {bad[:5]}")
+            raise ValueError(f"keys must be token ids (integers in [0, 2**31)), got {bad[:5]}")
         return bias
 
     @property

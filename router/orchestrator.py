@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import (
@@ -33,7 +33,7 @@ from cluster.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted,
 from cluster.kv_transfer.capability import Capability
 from cluster.kv_transfer.kv_control import KVControl
 from cluster.model.info import ModelInfo
-from cluster.request import MAX_STREAM_INTERVAL, Request
+from cluster.request import MAX_STREAM_INTERVAL, Request, check_request_id
 from cluster.sampling_params import SamplingParams
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
@@ -44,6 +44,7 @@ from router.generation_chunk import GenerationChunk
 from router.generation_service import ServedModel
 from router.lease_releases import LeaseReleases
 from router.pool_status import ClusterStats, kv_transport, pool_statuses
+from router.prompt_tokenizer import PromptTokenizer
 from router.tally import Tally
 from router.token_stream import TokenStreamServer
 
@@ -72,6 +73,7 @@ class Orchestrator:
         self.config = config
         self.info = info
         self.tokenizer = info.tokenizer
+        self.prompts = PromptTokenizer(info.tokenizer, info.max_model_len)
         self.prefill = prefill
         self.decode = decode
         self.colocated = colocated
@@ -112,9 +114,9 @@ class Orchestrator:
         )
         if params.seed is None and not params.greedy:
             params = replace(params, seed=random.getrandbits(63))
-        return params if max_tokens is not None else _ServerMaxTokens(**vars(params))
+        return params if max_tokens is not None else _ServerMaxTokens(**_fields(params))
 
-    def build_request(
+    async def build_request(
         self,
         prompt: str | None,
         prompt_token_ids: list[int] | None,
@@ -122,19 +124,20 @@ class Orchestrator:
         request_id: str | None = None,
         stream_interval: int | None = None,
     ) -> Request:
+        if request_id:
+            check_request_id(request_id)
         if prompt and prompt_token_ids:
             raise InvalidArgument("give either prompt or prompt_token_ids, not both", "prompt")
         if prompt_token_ids:
+            self._check_prompt_length(len(prompt_token_ids))  # before a pass over them
             ids = [int(t) for t in prompt_token_ids]
         elif prompt:
-            if self.tokenizer is None:
-                raise InvalidArgument("this model has no tokenizer: send prompt_token_ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = await self.prompts.encode(prompt)
         else:
             ids = []
         if isinstance(params, _ServerMaxTokens):  # fit the server's default to the context
             fitted = self.info.default_max_tokens(ids, params.max_tokens)
-            params = SamplingParams(**{**vars(params), "max_tokens": fitted})
+            params = SamplingParams(**{**_fields(params), "max_tokens": fitted})
         self.info.check_request(ids, params)
         if stream_interval is None:
             stream_interval = self.config.stream_interval
@@ -146,17 +149,17 @@ class Orchestrator:
         rid = request_id or uuid.uuid4().hex
         return Request(rid, tuple(ids), params, stream_interval=stream_interval)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    async def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Render chat messages with the tokenizer's chat template, ready to generate."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidArgument("this model has no chat template", param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+        return await self.prompts.chat(messages)
+
+    def _check_prompt_length(self, n: int) -> None:
+        if n >= self.info.max_model_len:
+            raise InvalidArgument(
+                f"this model's context is {self.info.max_model_len} tokens, and the prompt has "
+                f"{n}: it must leave room for at least one generated token",
+                param="prompt",
             )
-        except Exception as e:  # a template error is the caller's malformed messages
-            raise InvalidArgument(f"cannot render messages: {e}", param="messages") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- hops 2-5 --------------------------------------------------------------------------
 
@@ -294,9 +297,10 @@ class Orchestrator:
             raise
 
     async def close(self) -> None:
-        """Let the lease releases on their way go out; close the KV client; record the
-        metric values still batched."""
+        """Let the lease releases on their way go out; close the KV client and the tokenizer's
+        threads; record the metric values still batched."""
         await self.leases.close()
+        self.prompts.close()
         if self.metrics is not None:
             self.metrics.flush()
 
@@ -346,6 +350,11 @@ class Orchestrator:
         replicas = await self._replicas()
         pools = await pool_statuses(self.config, self.app_name, replicas)
         return ClusterStats(tuple(pools), tuple(replicas), kv_transport(self.config))
+
+
+def _fields(params: SamplingParams) -> dict:
+    """`params`' fields by name (not `vars`: it also holds cached properties)."""
+    return {f.name: getattr(params, f.name) for f in fields(params)}
 
 
 def _first_chunk(result: PrefillResult) -> WorkerChunk:

@@ -25,6 +25,7 @@ from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.stats_registry import registry
 from cluster.serving.vllm_metrics import served_model_name
+from router.body_limit import BodyLimit, body_limit_bytes
 from router.direct import GrpcServer, service_methods
 from router.endpoint_reporter import EndpointReporter
 from router.grpc_api import generate_responses, model_info_to_proto, stats_to_proto
@@ -69,6 +70,8 @@ class Router:
         app = FastAPI(title="pdserve", version="1")
         app.include_router(openai_routes(lambda: self.orch))
         install_error_handlers(app)
+        limit = body_limit_bytes(self.orch.prompts.max_prompt_bytes)
+        app.add_middleware(BodyLimit, limit=limit)
         return app
 
     # -- gRPC: pdserve.v1.Generation -------------------------------------------------------

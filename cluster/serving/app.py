@@ -63,7 +63,10 @@ POOL_LOGGING = {"enable_access_log": False}
 # the core workers of both processes; with this the proxy calls the router's replica over the
 # gRPC server every Serve replica runs anyway: less CPU per streamed token in both the router
 # and the proxy (docs/findings.md).
-NODE_ENV_VARS = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+# The proxy's gRPC server also takes and sends messages of at most 4 MiB (grpc's default and
+# the router's direct endpoint's; Ray's own default is 2 GiB, while its hop to the router
+# carries at most 4 MiB anyway): larger ones are RESOURCE_EXHAUSTED before they are read.
+NODE_ENV_VARS = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(4 << 20)}
 
 
 def apply_node_env() -> dict[str, str]:

@@ -70,8 +70,9 @@ def check_node_env(config: dict[str, Any]) -> None:
         starts = [c for c in config[key] if "ray start" in c]
         assert starts, f"{key}: no ray start"
         for command in starts:
+            env = command.split("ray start")[0].split()
             for var, value in cluster.serving.app.NODE_ENV_VARS.items():
-                assert f"{var}={value} ray start" in command, f"{key}: {var} not set"
+                assert f"{var}={value}" in env, f"{key}: {var} not set"
 
 
 def test_node_env_check_fails_when_a_worker_starts_without_it():

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import replace
 
 from cluster.errors import InvalidArgument
-from cluster.request import Request, TokenLogprobs
+from cluster.request import Request, TokenLogprobs, check_request_id
 from cluster.sampling_params import SamplingParams
 from router.generation_chunk import GenerationChunk, Timing, Usage
 from router.generation_service import ServedModel
@@ -53,7 +53,7 @@ class FakeService:
             params = replace(params, seed=random.getrandbits(63))
         return params
 
-    def build_request(
+    async def build_request(
         self, prompt, prompt_token_ids, params, request_id=None, stream_interval=None
     ) -> Request:
         if prompt and prompt_token_ids:
@@ -61,12 +61,14 @@ class FakeService:
         ids = prompt_token_ids or [ord(c) % 100 for c in prompt or ""]
         if not ids:
             raise InvalidArgument("prompt is empty", param="prompt")
+        if request_id:
+            check_request_id(request_id)
         rid = request_id or uuid.uuid4().hex
         request = Request(rid, tuple(ids), params, stream_interval=stream_interval or 1)
         self.requests.append(request)
         return request
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    async def chat_prompt(self, messages: list[dict]) -> list[int]:
         self.messages = messages
         if any(m["role"] not in ("system", "user", "assistant") for m in messages):
             raise InvalidArgument("cannot render messages: unknown role", param="messages")

@@ -5,6 +5,8 @@ over HTTP, both naming the context and what the request needs. The pools are nev
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -24,6 +26,11 @@ CONTEXT = 128
 SERVER_DEFAULT = 16
 SERVER_INTERVAL = 3
 PROMPT = list(range(1, 101))  # 100 tokens: 28 left for the completion
+
+
+def from_proto(msg: pb.GenerateRequest, service):
+    """`request_from_proto`, run to its end."""
+    return asyncio.run(request_from_proto(msg, service))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +59,7 @@ def client(orch):
 
 def _grpc(orch, max_tokens: int):
     sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    return request_from_proto(pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling), orch)
+    return from_proto(pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling), orch)
 
 
 def test_grpc_prompt_plus_max_tokens_equal_to_the_context_is_accepted(orch):
@@ -92,7 +99,7 @@ def test_http_a_prompt_that_fills_the_context_is_400_naming_the_prompt(client):
 def test_grpc_an_unset_max_tokens_is_the_server_default_fitted_to_the_context(
     orch, prompt_tokens, want
 ):
-    request = request_from_proto(
+    request = from_proto(
         pb.GenerateRequest(prompt_token_ids=list(range(1, prompt_tokens + 1))), orch
     )
     assert request.params.max_tokens == want
@@ -105,11 +112,11 @@ def test_a_requests_stream_interval_is_its_own_or_the_servers(orch):
     assert _grpc(orch, 8).stream_interval == SERVER_INTERVAL
     sampling = pb.SamplingParams(max_tokens=8)
     own = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling, stream_interval=5)
-    assert request_from_proto(own, orch).stream_interval == 5
+    assert from_proto(own, orch).stream_interval == 5
     for bad in (0, 4097):
         own.stream_interval = bad
         with pytest.raises(InvalidArgument, match="stream_interval") as e:
-            request_from_proto(own, orch)
+            from_proto(own, orch)
         assert e.value.param == "stream_interval"
     for bad in (0, 4097):
         with pytest.raises(ConfigError, match="stream_interval"):

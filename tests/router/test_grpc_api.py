@@ -4,6 +4,8 @@ info, stats and the last chunk fill every field of their messages."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from cluster.errors import InvalidArgument, NotFound
@@ -16,8 +18,13 @@ from router.pool_status import ClusterStats, PoolStatus
 from tests.router.fake_service import MODEL, MODEL_ID, SERVER_MAX_TOKENS, TIMING, FakeService
 
 
+def from_proto(msg: pb.GenerateRequest, service):
+    """`request_from_proto`, run to its end."""
+    return asyncio.run(request_from_proto(msg, service))
+
+
 def test_unset_sampling_fields_take_the_documented_defaults():
-    request = request_from_proto(pb.GenerateRequest(prompt_token_ids=[5, 6]), FakeService())
+    request = from_proto(pb.GenerateRequest(prompt_token_ids=[5, 6]), FakeService())
     p = request.params
     assert request.prompt_token_ids == (5, 6) and request.request_id
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k) == (SERVER_MAX_TOKENS, 1.0, 1.0, 0)
@@ -30,7 +37,7 @@ def test_set_fields_reach_the_request():
     )
     sampling.stop_token_ids.append(7)
     msg = pb.GenerateRequest(request_id="r1", prompt="abc", sampling=sampling, model=MODEL_ID)
-    request = request_from_proto(msg, FakeService())
+    request = from_proto(msg, FakeService())
     p = request.params
     assert request.request_id == "r1" and len(request.prompt_token_ids) == 3
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (3, 0.0, 0.5, 4, 9)
@@ -51,7 +58,7 @@ def test_set_fields_reach_the_request():
 )
 def test_bad_fields_are_refused_naming_them(msg, error, param):
     with pytest.raises(error) as e:
-        request_from_proto(msg, FakeService())
+        from_proto(msg, FakeService())
     assert e.value.param == param
 
 
@@ -120,11 +127,11 @@ def test_logit_adjustments_reach_the_request():
     )
     sampling.logit_bias[7] = -100.0
     sampling.logit_bias[3] = 2.5
-    p = request_from_proto(pb.GenerateRequest(prompt="x", sampling=sampling), FakeService()).params
+    p = from_proto(pb.GenerateRequest(prompt="x", sampling=sampling), FakeService()).params
     assert p.logit_bias == ((3, 2.5), (7, -100.0))
     assert (p.frequency_penalty, p.presence_penalty) == (-0.5, 2.0)
     assert p.repetition_penalty == pytest.approx(1.2) and p.min_p == pytest.approx(0.1)
-    unset = request_from_proto(pb.GenerateRequest(prompt="x"), FakeService()).params
+    unset = from_proto(pb.GenerateRequest(prompt="x"), FakeService()).params
     assert (unset.logit_bias, unset.repetition_penalty, unset.min_p) == ((), 1.0, 0.0)
     assert not unset.adjusts_logits
 
@@ -151,5 +158,5 @@ def _sampling(**fields) -> pb.SamplingParams:
 )
 def test_bad_logit_adjustments_are_refused_naming_them(sampling, param):
     with pytest.raises(InvalidArgument) as e:
-        request_from_proto(pb.GenerateRequest(prompt="x", sampling=sampling), FakeService())
+        from_proto(pb.GenerateRequest(prompt="x", sampling=sampling), FakeService())
     assert e.value.param == param and param in e.value.message

@@ -58,14 +58,19 @@ def test_nulls_take_the_defaults(client, fake) -> None:
         ("presence_penalty", 2.5, "[-2, 2]"),
         ("presence_penalty", -2.1, "[-2, 2]"),
         ("frequency_penalty", 3, "[-2, 2]"),
-        ("repetition_penalty", 0, "> 0"),
-        ("repetition_penalty", -1.0, "> 0"),
+        ("repetition_penalty", 0, "[0.01, 100]"),
+        ("repetition_penalty", -1.0, "[0.01, 100]"),
+        ("repetition_penalty", 1e-40, "[0.01, 100]"),
+        ("temperature", 100.5, "[0, 100]"),
+        ("temperature", -1e-40, "[0, 100]"),
         ("min_p", 1.5, "[0, 1]"),
         ("min_p", -0.5, "[0, 1]"),
         ("logit_bias", {"5": 150}, "[-100, 100]"),
         ("logit_bias", {"512": 1}, "vocabulary"),  # the fake serves a 512-token vocabulary
         ("logit_bias", {"-3": 1}, "token ids"),
         ("logit_bias", {"hello": 1}, "token ids"),
+        ("logit_bias", {"9" * 5000: 1}, "token ids"),  # past int()'s 4,300-digit limit
+        ("logit_bias", {"1" + "0" * 10: 1}, "token ids"),
         ("logit_bias", {str(t): 1 for t in range(301)}, "at most 300"),
     ],
 )

@@ -211,7 +211,7 @@ async def run_async(
         releases = releases or Releases()
         orch.leases = LeaseReleases(releases, CAPABILITY, prefill_endpoints)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        request = orch.build_request(None, [1, 2, 3], params, "r1")
+        request = await orch.build_request(None, [1, 2, 3], params, "r1")
         got = []
         stream = orch.generate(request)
         try:

@@ -30,7 +30,7 @@ ITL = "pdserve_inter_token_latency_seconds"
 async def read(orch, max_tokens: int, pause_s: float = 0.0, taken=None) -> list:
     """The chunks of one greedy request, pausing `pause_s` after each (a next hop that takes
     one message per pause); `taken` is set after each chunk is read."""
-    request = orch.build_request(None, list(PROMPT), SamplingParams(max_tokens, 0.0), "r1")
+    request = await orch.build_request(None, list(PROMPT), SamplingParams(max_tokens, 0.0), "r1")
     chunks = []
     async for chunk in orch.generate(request):
         chunks.append(chunk)

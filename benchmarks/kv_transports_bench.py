@@ -138,12 +138,12 @@ async def _serve(conn, path: str, transport: str, num_blocks: int, device: str) 
                 pass
             prefill_s = time.perf_counter() - t0
             block_ids, num_tokens, expiry, token = await leases.grant(rid)
-            want = await engine.call(lambda e, rid=rid: e.export_kv(rid))
+            k, v = await engine.call(lambda e, rid=rid: e.kv_cache.read(e.held_blocks(rid)[0]))
             handle = KVHandle(
                 rid, num_tokens, endpoint, transport, tuple(block_ids), BLOCK_SIZE,
                 engine.layout, expiry, token,
             )  # fmt: skip
-            kv = (want.k.cpu(), want.v.cpu())
+            kv = (k.cpu(), v.cpu())
             conn.send((handle.to_proto().SerializeToString(), prefill_s, *kv))
     finally:
         await server.stop(0)

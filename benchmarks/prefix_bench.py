@@ -38,7 +38,7 @@ def run(engine: Engine, prompts: list[list[int]]) -> tuple[list[float], list[int
         ttft.append(time.perf_counter() - t)
         cached.append(out.num_cached_tokens)
         firsts.append(out.token_ids[0])
-    assert engine.blocks.num_used == 0, "KV blocks leaked"
+    assert engine.scheduler.blocks.num_used == 0, "KV blocks leaked"
     return ttft, cached, firsts
 
 

@@ -25,6 +25,7 @@ from cluster.kv_transfer.kv_channel import transport_device
 from cluster.kv_transfer.kv_handle import KVHandle
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
+from tests.engine_kv import export_kv
 from tests.prefill_worker.kv_pair import (
     BLOCK_SIZE,
     MAX_CHUNK_BYTES,
@@ -117,7 +118,7 @@ def test_pushed_kv_decodes_like_a_colocated_run_over_one_cached_group(llama_dir:
         async with collective_pair(llama_dir) as p:
             handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
             # Bit-exact with the prefill pool's own export.
-            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            want = await p.prefill.call(lambda e: export_kv(e, "r-long"))
             got = await p.client.fetch(handles["r-long"], p.decode.layout)
             assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
             assert got.num_tokens == 40 and tuple(got.k.shape[:2]) == (2, 3)

@@ -20,6 +20,7 @@ from cluster.kv_transfer.kv_handle import KVHandle, layout_to_proto
 from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferStub
+from tests.engine_kv import export_kv
 from tests.prefill_worker.kv_pair import (
     BLOCK_SIZE,
     MAX_CHUNK_BYTES,
@@ -42,7 +43,7 @@ def test_fetched_kv_decodes_like_a_colocated_run(llama_dir: Path) -> None:
             handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
             # The wire copy is bit-exact with the prefill pool's own export.
             h = handles["r-long"]
-            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            want = await p.prefill.call(lambda e: export_kv(e, "r-long"))
             got = await p.client.fetch(h, p.decode.layout)
             assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
             assert got.num_tokens == 40 and tuple(got.k.shape[:2]) == (2, 3)

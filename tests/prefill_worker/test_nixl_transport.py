@@ -24,6 +24,7 @@ from cluster.kv_transfer.nixl_pool import load_nixl
 from cluster.request import Request
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
+from tests.engine_kv import export_kv
 from tests.prefill_worker.kv_pair import (
     MAX_CHUNK_BYTES,
     PARAMS,
@@ -95,7 +96,7 @@ def test_read_kv_is_bit_exact_and_decodes_like_a_colocated_run(llama_dir: Path) 
     async def main() -> dict[str, list[int]]:
         async with nixl_pair(llama_dir) as p:
             handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
-            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            want = await p.prefill.call(lambda e: export_kv(e, "r-long"))
             got = await p.client.fetch(handles["r-long"], p.decode.layout)  # into new tensors
             assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
             tokens = await asyncio.gather(

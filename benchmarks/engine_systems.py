@@ -58,7 +58,7 @@ class PdserveRunner:
             now = time.perf_counter()
             for out in outputs:
                 times[out.request_id].extend(now for _ in out.token_ids)
-        assert self.engine.blocks.num_used == 0, "KV blocks leaked"
+        assert self.engine.scheduler.blocks.num_used == 0, "KV blocks leaked"
         return Timeline(start, [times[rid] for rid in ids])
 
 

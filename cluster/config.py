@@ -74,8 +74,7 @@ Resources = Annotated[tuple[tuple[str, float], ...], NamedNumbers()]
 
 def byte_size(value: Any) -> int:
     """Bytes from an int or a string such as "4GiB", "512MiB", "2G" or "1e9" (the dict form of
-    `CacheConfig.kv_cache_memory`, and its flag): K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of
-    1024."""
+    `CacheConfig.kv_cache_memory`, and its flag): K/M/G/T powers of 1000, Ki/Mi/Gi/Ti of 1024."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE]\d+)?)\s*(?:([KMGT])(i?))?[bB]?\s*", str(value))
     if isinstance(value, bool) or m is None:
         raise ConfigError(f"expected a size in bytes such as 4GiB, got {value!r}")
@@ -88,8 +87,7 @@ ByteSize = Annotated[int, BeforeValidator(byte_size, json_schema_input_type=int 
 
 
 def default_served_name(path: str) -> str:
-    """The name clients call a model by when none is given: a hub id as given, a directory's
-    own name."""
+    """The name clients call a model by when none is given: a hub id as is, a directory's name."""
     local = Path(path).expanduser()
     if path.startswith(("/", ".", "~")) or local.is_dir():
         return local.name
@@ -374,6 +372,8 @@ def _known_keys(cls: type, loc: list) -> str:
         if not found:
             return ""
         cls = found[0]
+    if loc[-1] in (refused := getattr(cls, "REFUSED_KEYS", {})):  # a reason for refusing it
+        return f" ({refused[loc[-1]]})"
     keys = list(cls.__dataclass_fields__)
     close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
     return (

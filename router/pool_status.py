@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.serving.app_config import AppConfig, PoolConfig
+from cluster.serving.app_config import AppConfig, DeploymentConfig
+from cluster.serving.autoscaling import SERVE_SIGNAL
+from cluster.serving.pool_load import pool_load
 from cluster.serving.pool_messages import ReplicaStats
 
 # Serve deployment name -> pool name
@@ -26,7 +28,9 @@ class PoolStatus:
     target_replicas: int
     min_replicas: int
     max_replicas: int
-    signals: tuple[tuple[str, float, float], ...]  # (name, pool total, target per replica)
+    # (name, pool total, target per replica) for each target the pool scales on, but Serve's
+    # own "requests": only Serve's controller counts a replica's requests.
+    signals: tuple[tuple[str, float, float], ...]
 
 
 @dataclass(frozen=True)
@@ -58,27 +62,25 @@ async def pool_statuses(
         if d is None:
             continue
         running = sum(1 for r in d.get("replicas", []) if r.get("state") == "RUNNING")
-        cfg = _pool_config(config, pool)
+        cfg = config.pool(pool)
         low, high = (
             (cfg.autoscaling.min_replicas, cfg.autoscaling.max_replicas)
             if cfg.autoscaling is not None
             else (cfg.replicas, cfg.replicas)
         )
-        targets = dict(cfg.autoscaling.targets) if cfg.autoscaling is not None else {}
-        load = _load([r for r in replicas if r.pool == pool])
-        signals = tuple((s, load.get(s, 0.0), t) for s, t in targets.items())
+        signals = pool_signals(cfg, [r for r in replicas if r.pool == pool])
         target = int(d.get("target_num_replicas", 0))
         out.append(PoolStatus(pool, name, running, target, low, high, signals))
     return out
 
 
-def _pool_config(config: AppConfig, pool: str) -> PoolConfig:
-    return {"router": config.router, "prefill": config.prefill}.get(pool, config.decode)
-
-
-def _load(replicas: list[ReplicaStats]) -> dict[str, float]:
-    return {
-        "queued_prompt_tokens": float(sum(r.queued_prompt_tokens for r in replicas)),
-        "running": float(sum(r.running for r in replicas)),
-        "kv_usage": sum(r.kv_blocks_used / max(1, r.kv_blocks_total) for r in replicas),
-    }
+def pool_signals(
+    pool: DeploymentConfig, replicas: list[ReplicaStats]
+) -> tuple[tuple[str, float, float], ...]:
+    """(signal, the pool's total, target per replica) for each autoscaling target of `pool`,
+    the totals summed over `replicas` (`pool_load`); Serve's own "requests" is left out (only
+    Serve's controller counts them). A target naming no load signal raises KeyError."""
+    if pool.autoscaling is None:
+        return ()
+    load = pool_load(replicas)
+    return tuple((s, load.value(s), t) for s, t in pool.autoscaling.targets if s != SERVE_SIGNAL)

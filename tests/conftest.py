@@ -37,6 +37,7 @@ from cluster.engine.engine import Engine
 from cluster.model.make_model import make_model
 from cluster.request import Request, RequestOutput
 from cluster.sampling_params import SamplingParams
+from tests.engine_kv import export_kv, import_kv
 
 # The models are tiny: with more than one thread, thread synchronisation costs more than it
 # saves, and far more on a loaded machine.
@@ -197,7 +198,8 @@ def make_engine(request) -> Iterator[Callable[..., Engine]]:
         return
     for engine in engines:
         assert engine.stats().kv_blocks_used == 0, "KV blocks leaked"
-        assert engine.blocks.num_free == engine.blocks.num_blocks, "KV blocks leaked"
+        blocks = engine.scheduler.blocks
+        assert blocks.num_free == blocks.num_blocks, "KV blocks leaked"
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -249,8 +251,8 @@ def prefill(engine, request: Request) -> int:
 def disaggregated(prefill_engine, decode_engine, rid, prompt_ids, params) -> list[int]:
     """Prefill on one engine, decode on the other; all output tokens. Releases the export."""
     first = prefill(prefill_engine, Request(rid, prompt_ids, params, prefill_only=True))
-    kv = prefill_engine.export_kv(rid)
-    decode_engine.import_kv(Request(rid, prompt_ids, params), kv, first)
+    kv = export_kv(prefill_engine, rid)
+    import_kv(decode_engine, Request(rid, prompt_ids, params), kv, first)
     out = drive(decode_engine)[rid]
     assert prefill_engine.release(rid)
     return [first, *out.token_ids]

@@ -182,14 +182,6 @@ class AsyncEngine:
         early (client gone, task cancelled) aborts the request and frees its blocks."""
         return await self._stream(request.request_id, lambda e: e.add_request(request))
 
-    async def import_and_generate(
-        self, request: Request, kv, first_token: int
-    ) -> AsyncIterator[StepOutput]:
-        """Import prompt KV computed elsewhere, then yield the decode outputs."""
-        return await self._stream(
-            request.request_id, lambda e: e.import_kv(request, kv, first_token)
-        )
-
     async def stream_to(
         self, request_id: str, admit: Callable[[Engine], Any], sink: StepSink
     ) -> None:

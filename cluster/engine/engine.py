@@ -2,8 +2,9 @@
 
 `step()` has three beats: schedule, run the model, update state. Roles differ only in what
 requests they are given: the prefill pool submits `prefill_only` requests (the engine stops
-after the first token and holds the prompt's KV for export), the decode pool imports KV with
-`import_kv` and decodes, and a colocated engine does both for plain requests.
+after the first token and holds the prompt's KV, `held_blocks`, for a KV transport to read), the
+decode pool has a transport write the prompt's KV into blocks it reserves (`reserve_import`,
+`finish_import`) and decodes, and a colocated engine does both for plain requests.
 
 Fault domains: a request's own failure (no token to sample, an exception in its sampling,
 its stop check or its text) ends that request alone, its blocks freed, with an output that
@@ -25,13 +26,12 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.cuda_graphs import capture_decode_graphs
-from cluster.engine.kv_cache import KVCache, KVExport, KVLayout, kv_pool_blocks
+from cluster.engine.kv_cache import KVCache, KVLayout, kv_pool_blocks
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.output_processor import OutputProcessor
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.errors import (
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PdServeError,
@@ -79,10 +79,10 @@ class Engine:
             config.cache, self.layout.block_bytes, self.device, _activation_bytes(spec, config)
         )
         self.kv_cache = KVCache(self.layout, num_blocks, config.model.torch_dtype, self.device)
-        self.blocks = BlockManager(
+        blocks = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.scheduler = Scheduler(config.scheduler, blocks)  # the block manager's only caller
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.device)
         if config.model.cuda_graphs and self.runner.varlen_attention is not None:
             self.runner.graphs = capture_decode_graphs(
@@ -111,30 +111,14 @@ class Engine:
         self._admit(seq)
         self.scheduler.add(seq)
 
-    def import_kv(self, request: Request, kv: KVExport, first_token: int) -> None:
-        """Join a sequence whose prompt KV was computed elsewhere: copy `kv` into our own free
-        blocks, append the first token sampled by the prefill side, and decode from there."""
-        self.layout.check_matches(kv.layout)
-        if kv.num_tokens != request.num_context_tokens:
-            raise FailedPrecondition(
-                f"KV covers {kv.num_tokens} tokens, the request has {request.num_context_tokens}"
-            )
-        shape = (self.layout.num_layers, self.blocks.blocks_for(kv.num_tokens))
-        shape += self.layout.block_shape
-        if tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
-            raise FailedPrecondition(f"KV tensor shape {tuple(kv.k.shape)} is not {shape}")
-        block_ids = self.reserve_import(request)
-        self.kv_cache.write(block_ids, kv.k, kv.v)
-        self.finish_import(request.request_id, first_token)
-
     def reserve_import(self, request: Request) -> list[int]:
         """Reserve free blocks for the prompt KV of `request`, computed elsewhere, and return
         them in token order; a KV transport writes them (off the engine thread: nothing else
         touches them) before `finish_import`. Until then the sequence is IMPORTING: never
         scheduled, freed by `abort`. Raises InvalidArgument / ResourceExhausted."""
         seq = self._new_sequence(request)
-        if not self.blocks.reserve(seq, seq.num_context_tokens):
-            n = self.blocks.blocks_for(seq.num_context_tokens)
+        if not self.scheduler.reserve_import(seq):
+            n = self.scheduler.blocks_for(seq.num_context_tokens)
             raise ResourceExhausted(f"no room to import {n} KV blocks")
         seq.status = SequenceStatus.IMPORTING
         self.seqs[seq.request_id] = seq
@@ -171,10 +155,10 @@ class Engine:
         request.params.check_vocab(self.info.spec.vocab_size)
         _check_resumed(request, self.info.spec.vocab_size, self.max_model_len)
         longest = min(len(ids) + request.params.max_tokens, self.max_model_len)
-        if self.blocks.blocks_for(longest) > self.blocks.num_blocks:
+        if self.scheduler.blocks_for(longest) > self.scheduler.num_blocks:
             raise InvalidArgument(
                 f"prompt of {len(ids)} tokens plus max_tokens {request.params.max_tokens} "
-                f"does not fit in this worker's KV pool of {self.blocks.num_blocks} blocks",
+                f"does not fit in this worker's KV pool of {self.scheduler.num_blocks} blocks",
                 param="max_tokens",
             )
         seed = request.params.seed
@@ -266,7 +250,7 @@ class Engine:
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.blocks.free(seq)
+        self.scheduler.free(seq)
         seq.status = SequenceStatus.FINISHED
         self.seqs.pop(seq.request_id, None)
 
@@ -291,12 +275,6 @@ class Engine:
             raise NotFound(f"no held KV for request {request_id!r}")
         return list(seq.block_table), seq.num_context_tokens
 
-    def export_kv(self, request_id: str) -> KVExport:
-        """Copy out the prompt KV of a held sequence. The blocks stay held until `release`."""
-        block_ids, num_tokens = self.held_blocks(request_id)
-        k, v = self.kv_cache.read(block_ids)
-        return KVExport(self.layout, num_tokens, k, v)
-
     def release(self, request_id: str) -> bool:
         """Free a held sequence's blocks (fetched, expired or aborted). Idempotent."""
         seq = self.seqs.get(request_id)
@@ -313,11 +291,12 @@ class Engine:
         # waiting, as vLLM counts a request waiting for remote KV: it holds blocks and joins
         # the batch as soon as its KV lands.
         importing = sum(1 for s in self.seqs.values() if s.status is SequenceStatus.IMPORTING)
+        used, cached = self.scheduler.kv_counts()
         return EngineStats(
-            kv_blocks_total=self.blocks.num_blocks,
-            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_total=self.scheduler.num_blocks,
+            kv_blocks_used=used,
             kv_blocks_leased=sum(len(s.block_table) for s in held),
-            kv_blocks_cached=self.blocks.num_cached,
+            kv_blocks_cached=cached,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting) + importing,
             held=len(held),

@@ -12,7 +12,9 @@ cached prefix (`BlockManager.reuse_cached_prefix`) and computes only the rest; a
 token is always computed, since that yields the logits to sample from. Every block that a step
 (or an import) fills is registered in the cache.
 
-Blocks come from and go back to the `BlockManager`; the scheduler only asks it.
+Blocks come from and go back to the `BlockManager`, and the scheduler is its only caller: the
+engine reserves an import's blocks, frees a finished sequence's and reads the pool's figures
+through the scheduler (`reserve_import`, `free`, `blocks_for`, `num_blocks`, `kv_counts`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,29 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+
+    # -- the KV pool, as the engine sees it ------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.blocks.blocks_for(num_tokens)
+
+    def kv_counts(self) -> tuple[int, int]:
+        """Blocks in use, and blocks registered in the prefix cache (in use or reclaimable)."""
+        return self.blocks.num_used, self.blocks.num_cached
+
+    def reserve_import(self, seq: Sequence) -> bool:
+        """Blocks for the whole context of `seq`, whose KV is computed elsewhere; False if the
+        pool is short (nothing reserved then)."""
+        return self.blocks.reserve(seq, seq.num_context_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        """Give back every block of `seq` (finished, aborted, released or a cancelled import);
+        take it out of the queues first (`remove`)."""
+        self.blocks.free(seq)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

@@ -1,10 +1,12 @@
 """The serving plane: Ray Serve plumbing shared by the three roles. `app` builds the Serve
 application from an `AppConfig`; `replica` is the base of the engine replicas; `pool_messages`
-names what crosses between router and pools, `token_wire` packs token batches; `stats_registry`,
-`metrics` (and `vllm_metrics`, the same under vLLM's names) and `autoscaling` are what the pools
-report and scale on; `metered_engine` and `stats_line` make an engine replica's periodic stats
-line in its log; `cpu_affinity` pins engine threads; `placement` sizes a local Ray for the
-replicas asked for and bounds the wait for them.
+names what crosses between router and pools, `token_wire` packs token batches; `pool_load` is
+the one home of a replica's load signals, which feed `autoscaling` (Serve's autoscaler), the
+gauges of `metrics` (and `vllm_metrics`, the same under vLLM's names) and `GetStats` (through
+`stats_registry`): adding a signal touches at most 3 files, listed there (the dry run) and
+checked by tests/cluster/serving/test_pool_load.py. `metered_engine` and `stats_line` make an
+engine replica's periodic stats line in its log; `cpu_affinity` pins engine threads;
+`placement` sizes a local Ray for the replicas asked for and bounds the wait for them.
 
 May import: the `cluster` root modules, `cluster.model`, `cluster.engine`, `cluster.kv_transfer`
 and `cluster.pb`.

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from cluster.config import ModelConfig
-from cluster.serving.app_config import AppConfig, PoolConfig
+from cluster.serving.app_config import AppConfig, DeploymentConfig
 
 if TYPE_CHECKING:  # ray.serve is imported when an app is built, not to read a config
     from ray.serve import Application
@@ -125,7 +125,7 @@ def deployment_pools(config: AppConfig) -> dict[str, str]:
     return {"Router": "router", "Prefill": "prefill", "Decode": "decode"}
 
 
-def deployment_options(name: str, pool: PoolConfig) -> dict[str, Any]:
+def deployment_options(name: str, pool: DeploymentConfig) -> dict[str, Any]:
     """The options of `serve.deployment` for deployment `name`, all derived from its pool:
     size or autoscaling, Ray resources and placement, request limits, request router."""
     size = (
@@ -181,7 +181,7 @@ def override_conflicts(config: AppConfig, deployments: list[Mapping[str, Any]]) 
         if name not in pools:
             problems.append(f"deployments: no deployment {name!r} in this app {list(pools)}")
             continue
-        built = deployment_options(name, getattr(config, pools[name]))
+        built = deployment_options(name, config.pool(pools[name]))
         for option in (o for o in POOL_OPTIONS if o in entry):
             mine, theirs = entry[option], built.get(option)
             if option == "ray_actor_options":
@@ -204,7 +204,7 @@ def _ray_resources(actor_options: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _deployment(name: str, import_path: str, pool: PoolConfig):
+def _deployment(name: str, import_path: str, pool: DeploymentConfig):
     from ray import serve
 
     module, _, attr = import_path.partition(":")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field, fields, replace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self, overload
 
 from pydantic import BeforeValidator, with_config
 
@@ -39,6 +39,9 @@ from cluster.serving.autoscaling import (
 from cluster.serving.cpu_affinity import parse_cpu_list
 
 Mode = Literal["disaggregated", "colocated"]
+PoolName = Literal["router", "prefill", "decode", "colocated"]
+# A router replica's requests at once when `router.max_ongoing_requests` is 0.
+ROUTER_ONGOING = 1024
 log = logging.getLogger("ray.serve." + __name__)
 
 
@@ -57,75 +60,37 @@ CpuList = Annotated[
 
 @with_config(DICT_FORM)
 @dataclass(frozen=True)
-class PoolConfig:
-    """One deployment's replicas and resources, and (for engine pools) its KV pool and
-    scheduler. `torch_threads` 0 keeps torch's default."""
+class DeploymentConfig:
+    """What every deployment has, the router's and the engine pools': its size or autoscaling,
+    its Ray resources per replica and its request limits."""
 
     replicas: int = 1  # fixed size; ignored when `autoscaling` is set
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: Resources = ()
-    torch_threads: int = 0
-    # Python's GIL switch interval in this pool's engine replicas. The engine thread shares the
-    # GIL with Serve's event loop; at Python's default (5 ms) each burst of the loop's work
-    # stalls the step for its whole length; a short interval bounds each stall.
-    gil_switch_interval_s: float = 5e-5
-    # Cores this pool's engine threads run on (a Linux cpu list, "2" or "2-3", or a list of
-    # ints); () = wherever the OS puts them. Keep Ray's own processes off them by starting Ray
-    # from a process that is (`pdserve serve --engine-cpus`, or `taskset`;
-    # cluster/serving/cpu_affinity.py). Pinning alone, nothing reserved, already keeps a decode
-    # step as fast served as alone on 2 cores (docs/findings.md).
-    engine_cpus: CpuList = ()
-    # Engine pools: make each step's text (detokenization, stop strings) and feed the token
-    # streams on a thread of the replica's own while the engine runs the next step (True), or
-    # on the engine thread after its step (False). None: on a GPU only, where the engine
-    # thread's host time is the step's; on a CPU both threads want the same cores and the GIL
-    # and the output thread overlaps nothing (cluster/engine/async_engine.py).
-    output_thread: bool | None = None
-    # Requests one replica works on at once; 0 = what it can really hold (its max_num_seqs).
+    # Requests one replica works on at once; 0 = the pool's own default (`ongoing_limit`).
     max_ongoing_requests: int = 0
     # Requests waiting for a replica beyond that; more are refused at once. 0 = 4x ongoing.
     max_queued_requests: int = 0
     autoscaling: AutoscalingSettings | None = None
-    # Pools that prefill (prefill, colocated) with their prefix cache on: send a prompt to the
-    # replica that was last sent the longest start of it (router/prefix_affinity.py), unless
-    # that replica has more than `affinity_max_imbalance` requests open beyond the least loaded
-    # one: queueing behind others can cost more than computing the prefix again elsewhere.
-    # Off: Serve's power of two choices. The decode pool in disaggregated mode ignores both.
-    prefix_affinity: bool = True
-    affinity_max_imbalance: int = 2
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError("replicas must be >= 1")
-        if not 0 < self.gil_switch_interval_s <= 1:
-            raise ConfigError("gil_switch_interval_s must be in (0, 1]")
-        if self.num_cpus < 0 or self.num_gpus < 0 or self.torch_threads < 0:
-            raise ConfigError("num_cpus, num_gpus and torch_threads must be >= 0")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ConfigError("num_cpus and num_gpus must be >= 0")
         if self.max_ongoing_requests < 0 or self.max_queued_requests < 0:
             raise ConfigError("max_ongoing_requests and max_queued_requests must be >= 0")
-        if self.affinity_max_imbalance < 0:
-            raise ConfigError("affinity_max_imbalance must be >= 0")
-        object.__setattr__(self, "engine_cpus", _cpu_list(self.engine_cpus))
 
     @property
     def ongoing_limit(self) -> int:
-        return self.max_ongoing_requests or self.scheduler.max_num_seqs
-
-    def output_thread_on(self, device: str) -> bool:
-        """Whether this pool's engine replicas on `device` ("cpu", "cuda:0") run an output
-        thread: `output_thread` if set, else only on a GPU."""
-        if self.output_thread is not None:
-            return self.output_thread
-        return device.startswith("cuda")
+        raise NotImplementedError
 
     @property
     def queued_limit(self) -> int:
         return self.max_queued_requests or 4 * self.ongoing_limit
 
-    def with_default_targets(self, targets: tuple[tuple[str, float], ...]) -> PoolConfig:
+    def with_default_targets(self, targets: tuple[tuple[str, float], ...]) -> Self:
         """Fill the pool's autoscaling targets with `targets` if none were configured."""
         if self.autoscaling is None or self.autoscaling.targets:
             return self
@@ -144,31 +109,111 @@ class PoolConfig:
 
 @with_config(DICT_FORM)
 @dataclass(frozen=True)
-class RouterConfig(PoolConfig):
-    """The router deployment's `PoolConfig` (its engine fields do not apply) and its direct
-    gRPC endpoint (router/grpc_endpoint.py): with `direct_grpc` each router replica also serves
+class PoolConfig(DeploymentConfig):
+    """An engine pool's deployment (prefill, decode, colocated): `DeploymentConfig`'s fields,
+    its engine threads, prefix-affinity routing, KV pool and scheduler. `torch_threads` 0 keeps
+    torch's default; `max_ongoing_requests` 0 = the scheduler's `max_num_seqs`."""
+
+    torch_threads: int = 0
+    # Python's GIL switch interval in this pool's engine replicas. The engine thread shares the
+    # GIL with Serve's event loop; at Python's default (5 ms) each burst of the loop's work
+    # stalls the step for its whole length; a short interval bounds each stall.
+    gil_switch_interval_s: float = 5e-5
+    # Cores this pool's engine threads run on (a Linux cpu list, "2" or "2-3", or a list of
+    # ints); () = wherever the OS puts them. Keep Ray's own processes off them by starting Ray
+    # from a process that is (`pdserve serve --engine-cpus`, or `taskset`;
+    # cluster/serving/cpu_affinity.py). Pinning alone, nothing reserved, already keeps a decode
+    # step as fast served as alone on 2 cores (docs/findings.md).
+    engine_cpus: CpuList = ()
+    # Engine pools: make each step's text (detokenization, stop strings) and feed the token
+    # streams on a thread of the replica's own while the engine runs the next step (True), or
+    # on the engine thread after its step (False). None: on a GPU only, where the engine
+    # thread's host time is the step's; on a CPU both threads want the same cores and the GIL
+    # and the output thread overlaps nothing (cluster/engine/async_engine.py).
+    output_thread: bool | None = None
+    # Pools that prefill (prefill, colocated) with their prefix cache on: send a prompt to the
+    # replica that was last sent the longest start of it (router/prefix_affinity.py), unless
+    # that replica has more than `affinity_max_imbalance` requests open beyond the least loaded
+    # one: queueing behind others can cost more than computing the prefix again elsewhere.
+    # Off: Serve's power of two choices. The decode pool in disaggregated mode ignores both.
+    prefix_affinity: bool = True
+    affinity_max_imbalance: int = 2
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.gil_switch_interval_s <= 1:
+            raise ConfigError("gil_switch_interval_s must be in (0, 1]")
+        if self.torch_threads < 0:
+            raise ConfigError("torch_threads must be >= 0")
+        if self.affinity_max_imbalance < 0:
+            raise ConfigError("affinity_max_imbalance must be >= 0")
+        object.__setattr__(self, "engine_cpus", _cpu_list(self.engine_cpus))
+
+    @property
+    def ongoing_limit(self) -> int:
+        return self.max_ongoing_requests or self.scheduler.max_num_seqs
+
+    def output_thread_on(self, device: str) -> bool:
+        """Whether this pool's engine replicas on `device` ("cpu", "cuda:0") run an output
+        thread: `output_thread` if set, else only on a GPU."""
+        if self.output_thread is not None:
+            return self.output_thread
+        return device.startswith("cuda")
+
+
+# `PoolConfig`'s own fields: engine settings, which a router (no engine) refuses by name.
+ENGINE_FIELDS = tuple(
+    f.name for f in fields(PoolConfig) if f.name not in DeploymentConfig.__dataclass_fields__
+)
+
+
+@with_config(DICT_FORM)
+@dataclass(frozen=True)
+class RouterConfig(DeploymentConfig):
+    """The router deployment: `DeploymentConfig`'s fields (no engine settings: the router runs
+    no engine; `max_ongoing_requests` 0 = ROUTER_ONGOING) and its direct gRPC endpoint
+    (router/direct/): with `direct_grpc` each router replica also serves
     `pdserve.v1.Generation` itself on `transfer.host`, at `grpc_port` (0 = a free port), and
     lists it in `GetStats`. A fixed port places at most one router replica per node (Serve's
     `max_replicas_per_node`), so no two of them bind it; replicas beyond the nodes wait."""
 
+    num_cpus: float = 0.5
+    max_ongoing_requests: int = ROUTER_ONGOING
     direct_grpc: bool = True
     grpc_port: int = 0
 
+    # `parse_config`'s message for each engine key written under `router:`.
+    REFUSED_KEYS = {
+        name: "an engine pool's setting; the router runs no engine" for name in ENGINE_FIELDS
+    }
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.engine_cpus:
-            raise ConfigError("engine_cpus is for the engine pools; the router has no engine")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
         if self.grpc_port and not self.direct_grpc:
             raise ConfigError("grpc_port is set but direct_grpc is off")
 
+    @property
+    def ongoing_limit(self) -> int:
+        return self.max_ongoing_requests or ROUTER_ONGOING
+
     @classmethod
-    def of(cls, pool: PoolConfig) -> RouterConfig:
-        """`pool` as a router's config (the direct endpoint at its defaults)."""
+    def of(cls, pool: DeploymentConfig) -> RouterConfig:
+        """`pool` as a router's config (the direct endpoint at its defaults). From Python a
+        `PoolConfig` may stand for the router (one pool config shared by all deployments):
+        only its deployment fields are read, and `engine_cpus` is refused (a router pinned to
+        the engine cores would take them from the engines). The dict form refuses every
+        engine key under `router:` by name (`REFUSED_KEYS`). Its request limit stays what it
+        was for that pool (`ongoing_limit`)."""
         if isinstance(pool, RouterConfig):
             return pool
-        return cls(**{f.name: getattr(pool, f.name) for f in fields(PoolConfig)})
+        if isinstance(pool, PoolConfig) and pool.engine_cpus:
+            raise ConfigError(f"router.engine_cpus: {cls.REFUSED_KEYS['engine_cpus']}")
+        kept = {name: getattr(pool, name) for name in DeploymentConfig.__dataclass_fields__}
+        return cls(**{**kept, "max_ongoing_requests": pool.ongoing_limit})
 
     def serve_placement(self) -> dict[str, Any]:
         return {"max_replicas_per_node": 1} if self.grpc_port else {}
@@ -192,9 +237,7 @@ def auto_transport(mode: Mode) -> str:
 class AppConfig:
     model: ModelConfig
     mode: Mode = "disaggregated"
-    router: RouterConfig = field(
-        default_factory=lambda: RouterConfig(num_cpus=0.5, max_ongoing_requests=1024)
-    )
+    router: RouterConfig = field(default_factory=RouterConfig)
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -273,12 +316,27 @@ class AppConfig:
             decode=config.decode.with_default_targets(DECODE_TARGETS),
         )
 
+    @overload
+    def pool(self, name: Literal["router"]) -> RouterConfig: ...
+    @overload
+    def pool(self, name: Literal["prefill", "decode", "colocated"]) -> PoolConfig: ...
+    def pool(self, name: str) -> DeploymentConfig:
+        """The config of pool `name`: "router", "prefill", "decode", or "colocated" (the
+        colocated app's engines are the `decode` pool)."""
+        if name == "router":
+            return self.router
+        if name == "prefill":
+            return self.prefill
+        if name in ("decode", "colocated"):
+            return self.decode
+        raise ValueError(f"no pool {name!r}; the pools: {PoolName.__args__}")
+
     def engine_config(self, pool: Literal["prefill", "decode", "colocated"]) -> EngineConfig:
         """The engine slice of `pool`. A prefill engine is given `model.cuda_graphs` off: its
         requests are `prefill_only` (each stops at the token its prefill samples), so it never
         runs the decode steps the graphs are captured for, and capturing them would only cost
         start-up time and GPU memory. The decode and colocated engines keep the setting."""
-        p = self.prefill if pool == "prefill" else self.decode
+        p = self.pool(pool)
         return EngineConfig(
             model=replace(self.model, cuda_graphs=False) if pool == "prefill" else self.model,
             cache=p.cache,

@@ -7,7 +7,8 @@ running in the Serve controller, turns the pool's summed load into a replica cou
 
     desired = max over signals s of ceil(sum over replicas of load_s / target_s)
 
-Prefill scales on queued prompt tokens; decode on running sequences and KV cache usage. Serve
+The signals are the fields of `pool_load.LoadSignals`, their one home. Prefill scales on queued
+prompt tokens; decode on running sequences and KV cache usage. Serve
 then applies min/max bounds and the up/down delays around the policy.
 """
 
@@ -20,13 +21,15 @@ from typing import Annotated, Any
 from pydantic import with_config
 
 from cluster.config import DICT_FORM, ConfigError, NamedNumbers
+from cluster.serving.pool_load import SIGNAL_NAMES
 
 POLICY_PATH = "cluster.serving.autoscaling:PoolLoadPolicy"
-# The load signals a target may name: what every engine replica reports
-# (`EngineReplica.record_autoscaling_stats`), and "requests", Serve's own count of a replica's
-# ongoing and queued requests (the only one a router replica has).
-ENGINE_SIGNALS = ("queued_prompt_tokens", "running", "kv_usage")
-SIGNALS = (*ENGINE_SIGNALS, "requests")
+# The load signals a target may name: the fields of `pool_load.LoadSignals`, what every engine
+# replica reports (`EngineReplica.record_autoscaling_stats`), and "requests", Serve's own count
+# of a replica's ongoing and queued requests (the only one a router replica has).
+ENGINE_SIGNALS = SIGNAL_NAMES
+SERVE_SIGNAL = "requests"
+SIGNALS = (*ENGINE_SIGNALS, SERVE_SIGNAL)
 Targets = Annotated[tuple[tuple[str, float], ...], NamedNumbers(SIGNALS)]
 
 
@@ -107,7 +110,7 @@ def _pool_load(ctx, targets: dict[str, float]) -> dict[str, float]:
     load: dict[str, float] = {}
     metrics = ctx.aggregated_metrics or {}
     for signal in targets:
-        if signal == "requests":
+        if signal == SERVE_SIGNAL:
             load[signal] = float(ctx.total_num_requests)
         elif metrics.get(signal):
             load[signal] = float(sum(metrics[signal].values()))

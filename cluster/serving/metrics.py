@@ -15,6 +15,7 @@ from collections.abc import Callable
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from cluster.serving.metric_recorder import Batched, fan_out, positive, recorder
+from cluster.serving.pool_load import GAUGES as LOAD_GAUGES
 from cluster.serving.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = [
@@ -61,14 +62,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "1 per live engine replica",
         ("pool",),
     ),
-    "pdserve_kv_cache_usage": ("gauge", "Used share of the replica's KV blocks (0-1)", ("pool",)),
-    "pdserve_running_sequences": ("gauge", "Sequences in the running batch", ("pool",)),
+    # Every load signal's gauge is declared with the signal (pool_load.py), added below.
     "pdserve_waiting_sequences": ("gauge", "Sequences waiting to be scheduled", ("pool",)),
-    "pdserve_queued_prompt_tokens": (
-        "gauge",
-        "Prompt tokens still to prefill (cached prefixes not counted)",
-        ("pool",),
-    ),
     "pdserve_prompt_tokens_total": ("counter", "Prompt tokens of served requests", ("pool",)),
     "pdserve_cached_prompt_tokens_total": (
         "counter",
@@ -90,6 +85,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("pool", "from_pool"),
     ),
 }
+
+METRICS.update({name: ("gauge", help_, ("pool",)) for name, help_ in LOAD_GAUGES.items()})
 
 
 class PoolMetrics:

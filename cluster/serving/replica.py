@@ -12,15 +12,17 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
 from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import EngineStats
 from cluster.serving.app_config import AppConfig
 from cluster.serving.cpu_affinity import engine_cores, format_cpu_list, thread_cpus
 from cluster.serving.metered_engine import EngineTotals, MeteredEngine
 from cluster.serving.metrics import PoolMetrics
+from cluster.serving.pool_load import LoadSignals
 from cluster.serving.pool_messages import ReplicaStats
 from cluster.serving.stats_line import StatsLine
 from cluster.serving.stats_registry import REPORT_INTERVAL_S, registry
@@ -32,6 +34,11 @@ log = logging.getLogger("ray.serve." + __name__)
 # engine by at most about one sample (plus the engine step that sample waits for). Unchanged
 # figures are pushed again every REPORT_INTERVAL_S, so no registry entry is older than that.
 SAMPLE_INTERVAL_S = 0.2
+# The engine's figures a `ReplicaStats` carries: each one both hold, so a figure added to both
+# reaches the registry (and `pool_load.LoadSignals.of`) with no change here.
+_ENGINE_FIGURES = tuple(
+    f.name for f in fields(EngineStats) if f.name in {g.name for g in fields(ReplicaStats)}
+)
 
 
 def replica_id() -> str:
@@ -52,7 +59,7 @@ class EngineReplica:
 
     def _start(self, config: AppConfig, pool: str) -> None:
         self.pool = pool
-        pool_config = config.prefill if pool == "prefill" else config.decode
+        pool_config = config.pool(pool)
         if pool_config.torch_threads > 0:
             torch.set_num_threads(pool_config.torch_threads)
         sys.setswitchinterval(pool_config.gil_switch_interval_s)
@@ -78,31 +85,14 @@ class EngineReplica:
 
     async def stats(self) -> ReplicaStats:
         s = await self.engine.call(lambda e: e.stats())
-        return ReplicaStats(
-            pool=self.pool,
-            replica_id=self.replica_id,
-            kv_blocks_total=s.kv_blocks_total,
-            kv_blocks_used=s.kv_blocks_used,
-            kv_blocks_leased=s.kv_blocks_leased,
-            kv_blocks_cached=s.kv_blocks_cached,
-            running=s.running,
-            waiting=s.waiting,
-            queued_prompt_tokens=s.queued_prompt_tokens,
-            generated_tokens=s.generated_tokens,
-            updated_at=time.time(),
-        )
+        figures = {n: getattr(s, n) for n in _ENGINE_FIGURES}
+        return ReplicaStats(self.pool, self.replica_id, **figures, updated_at=time.time())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling hook: this replica's load signals (see autoscaling.py).
         Answers from the last report, so a long engine step never delays it."""
         s = self.last_stats
-        if s is None:
-            return {}
-        return {
-            "queued_prompt_tokens": float(s.queued_prompt_tokens),
-            "running": float(s.running),
-            "kv_usage": s.kv_blocks_used / max(1, s.kv_blocks_total),
-        }
+        return {} if s is None else LoadSignals.of(s).as_dict()
 
     async def cpu_affinity(self) -> dict[str, list[int]]:
         """The cores the engine thread, its output thread and this replica's other threads may
@@ -154,10 +144,9 @@ class EngineReplica:
         ):
             return
         self.metrics.set("pdserve_replica_up", 1.0)
-        self.metrics.set("pdserve_kv_cache_usage", s.kv_blocks_used / max(1, s.kv_blocks_total))
-        self.metrics.set("pdserve_running_sequences", s.running)
         self.metrics.set("pdserve_waiting_sequences", s.waiting)
-        self.metrics.set("pdserve_queued_prompt_tokens", s.queued_prompt_tokens)
+        for gauge, value in LoadSignals.of(s).gauges().items():
+            self.metrics.set(gauge, value)
         await self.registry.put.remote(s)
         self._pushed = s
 

@@ -19,6 +19,7 @@ from cluster.kv_transfer.transport_factory import make_kv_client
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
+from tests.engine_kv import export_kv
 from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
 
 APP = "gloo"
@@ -112,7 +113,7 @@ def test_a_prefill_replica_serves_its_lease_over_gloo_across_processes(
     local.add_request(Request("local", ids, params, prefill_only=True))
     while local.has_work():
         local.step()
-    want = local.export_kv("local")
+    want = export_kv(local, "local")
     assert local.release("local")
     assert kv.num_tokens == len(ids) and kv.k.shape == want.k.shape
     torch.testing.assert_close(kv.k, want.k)

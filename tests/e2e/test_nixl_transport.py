@@ -20,6 +20,7 @@ from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from tests.e2e.conftest import CO, PD
+from tests.engine_kv import export_kv
 from tests.ray_fixtures import app_metadata, small_app_config, stub, wait_for_idle
 
 
@@ -62,7 +63,7 @@ def test_a_prefill_replica_serves_its_lease_to_a_nixl_read_across_processes(
     local.add_request(Request("local", ids, params, prefill_only=True))
     while local.has_work():
         local.step()
-    want = local.export_kv("local")
+    want = export_kv(local, "local")
     assert local.release("local")
     # The prompt's tokens only: the rest of its last block is whatever the pools held before.
     for got, exact in ((pool.k[:, blocks], want.k), (pool.v[:, blocks], want.v)):

@@ -13,7 +13,7 @@ from cluster.errors import NotFound
 from cluster.request import Request
 from prefill_worker.cancelled_ids import CancelledIds
 from prefill_worker.prefill_worker import PrefillWorker
-from tests.prefill_worker.kv_pair import PARAMS, pair, prompt, run
+from tests.cluster.kv_transfer.kv_pair import PARAMS, pair, prompt, run
 
 
 def test_a_request_that_arrives_after_its_cancel_is_dropped_and_never_leased(

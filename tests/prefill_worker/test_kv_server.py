@@ -29,6 +29,7 @@ from tests.cluster.kv_transfer.kv_pair import (
     prompt,
     run,
 )
+from tests.engine_kv import export_kv
 
 # -- the happy path ----------------------------------------------------------------------
 
@@ -42,7 +43,7 @@ def test_fetched_kv_decodes_like_a_colocated_run(llama_dir: Path) -> None:
             handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
             # The wire copy is bit-exact with the prefill pool's own export.
             h = handles["r-long"]
-            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            want = await p.prefill.call(lambda e: export_kv(e, "r-long"))
             got = await p.client.fetch(h, p.decode.layout)
             assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
             assert got.num_tokens == 40 and tuple(got.k.shape[:2]) == (2, 3)

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from cluster.request import Request
 from tests.conftest import ARCHS, drive, greedy, prefill, prompt, run_to_completion
+from tests.engine_kv import export_kv, import_kv
 
 NEW_TOKENS = 16
 PROMPT_LENS = (3, 17, 40)  # one block, several blocks, and longer than the sliding window
@@ -100,9 +101,9 @@ def test_bf16_export_import_continues_exactly(device, model_dir, make_engine):
     ids, params = prompt(23, seed=23), greedy(NEW_TOKENS)
 
     first = prefill(a, Request("r", ids, params, prefill_only=True))
-    kv = a.export_kv("r")
+    kv = export_kv(a, "r")
     assert kv.k.dtype == torch.bfloat16 and kv.num_tokens == len(ids)
-    b.import_kv(Request("r", ids, params), kv, first)
+    import_kv(b, Request("r", ids, params), kv, first)
     tokens = [first, *drive(b)["r"].token_ids]
     assert a.release("r")
 

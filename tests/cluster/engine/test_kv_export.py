@@ -11,6 +11,7 @@ from cluster.errors import FailedPrecondition, NotFound
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from tests.conftest import ARCHS, drive, greedy, prefill, prompt, run_to_completion
+from tests.engine_kv import export_kv, import_kv
 
 NEW_TOKENS = 12
 
@@ -32,9 +33,9 @@ def test_export_import_matches_colocated_and_oracle(arch, length, model_dir, mak
     stats = a.stats()
     assert (stats.held, stats.kv_blocks_leased) == (1, -(-length // 4))
     assert stats.generated_tokens == 1  # chunked or not, the prompt samples one token
-    kv = a.export_kv("r")
+    kv = export_kv(a, "r")
     assert kv.num_tokens == length
-    b.import_kv(Request("r", ids, params), kv, first)
+    import_kv(b, Request("r", ids, params), kv, first)
     assert b.seqs["r"].block_table != a.held_blocks("r")[0]
     out = drive(b)
     assert out["r"].finish_reason == "length"
@@ -56,14 +57,14 @@ def test_release_is_idempotent_and_export_unknown_is_not_found(model_dir, make_e
     path = model_dir("llama-gqa")
     a = make_engine(path, block_size=4)
     with pytest.raises(NotFound):
-        a.export_kv("nope")
+        export_kv(a, "nope")
     assert a.release("nope") is False
     prefill(a, Request("r", prompt(10, seed=1), greedy(4), prefill_only=True))
     assert a.release("r") is True
     assert a.release("r") is False
     assert a.stats().kv_blocks_used == 0
     with pytest.raises(NotFound):
-        a.export_kv("r")  # released blocks are never read again
+        export_kv(a, "r")  # released blocks are never read again
 
 
 def test_export_of_running_request_is_not_found(model_dir, make_engine):
@@ -72,7 +73,7 @@ def test_export_of_running_request_is_not_found(model_dir, make_engine):
     a.add_request(Request("r", prompt(10, seed=1), greedy(8)))  # not prefill_only
     a.step()
     with pytest.raises(NotFound):
-        a.export_kv("r")
+        export_kv(a, "r")
     drive(a)
 
 
@@ -83,14 +84,14 @@ def exported(model_dir, make_engine):
     a = make_engine(path, block_size=4)
     request = Request("r", prompt(10, seed=1), greedy(6))
     first = prefill(a, dataclasses.replace(request, prefill_only=True))
-    yield a, request, first, a.export_kv("r")
+    yield a, request, first, export_kv(a, "r")
     a.release("r")
 
 
 def _assert_still_serves(engine, exported) -> None:
     """After a refused import, a good import of the same request still decodes correctly."""
     a, request, first, kv = exported
-    engine.import_kv(request, kv, first)
+    import_kv(engine, request, kv, first)
     out = drive(engine)["r"]
     assert out.finish_reason == "length"
     assert len(out.token_ids) == request.params.max_tokens - 1
@@ -100,7 +101,7 @@ def test_import_with_other_block_size_fails_precondition(model_dir, make_engine,
     _, request, first, kv = exported
     b = make_engine(model_dir("llama-gqa"), block_size=8)
     with pytest.raises(FailedPrecondition, match="block_size"):
-        b.import_kv(request, kv, first)
+        import_kv(b, request, kv, first)
     assert b.stats().kv_blocks_used == 0 and "r" not in b.seqs
 
 
@@ -108,7 +109,7 @@ def test_import_from_other_model_fails_precondition(model_dir, make_engine, expo
     _, request, first, kv = exported
     b = make_engine(model_dir("qwen3"), block_size=4)
     with pytest.raises(FailedPrecondition, match="model_id"):
-        b.import_kv(request, kv, first)
+        import_kv(b, request, kv, first)
     assert b.stats().kv_blocks_used == 0
 
 
@@ -127,7 +128,7 @@ def test_import_with_wrong_tensor_shape_fails_precondition(
     b = make_engine(model_dir("llama-gqa"), block_size=4)
     k, v = corrupt(kv)
     with pytest.raises(FailedPrecondition):
-        b.import_kv(request, dataclasses.replace(kv, k=k, v=v), first)
+        import_kv(b, request, dataclasses.replace(kv, k=k, v=v), first)
     assert b.stats().kv_blocks_used == 0, "a refused import leaked blocks"
     assert "r" not in b.seqs
     _assert_still_serves(b, exported)
@@ -138,7 +139,7 @@ def test_import_with_wrong_token_count_fails_precondition(model_dir, make_engine
     b = make_engine(model_dir("llama-gqa"), block_size=4)
     shorter = dataclasses.replace(request, prompt_token_ids=request.prompt_token_ids[:-1])
     with pytest.raises(FailedPrecondition):
-        b.import_kv(shorter, kv, first)
+        import_kv(b, shorter, kv, first)
     assert b.stats().kv_blocks_used == 0
     _assert_still_serves(b, exported)
 
@@ -149,7 +150,7 @@ def test_import_that_finishes_at_once_reports_it(model_dir, make_engine, exporte
     _, request, first, kv = exported
     b = make_engine(model_dir("llama-gqa"), block_size=4)
     one = dataclasses.replace(request, params=SamplingParams(max_tokens=1, temperature=0.0))
-    b.import_kv(one, kv, first)
+    import_kv(b, one, kv, first)
     assert b.stats().kv_blocks_used == 0
     out = drive(b)["r"]
     assert out.finish_reason == "length"
@@ -170,7 +171,7 @@ def test_many_exports_in_flight(model_dir, make_engine, hf):
         firsts[rid] = out.token_ids[0]
     assert a.stats().held == 3
     for r in reversed(requests):
-        b.import_kv(r, a.export_kv(r.request_id), firsts[r.request_id])
+        import_kv(b, r, export_kv(a, r.request_id), firsts[r.request_id])
         assert a.release(r.request_id)
     assert a.stats().kv_blocks_used == 0
     outputs = drive(b)
@@ -187,7 +188,7 @@ def test_a_reserved_import_is_never_scheduled_and_is_freed_unless_finished(model
     a, b = make_engine(path, block_size=4), make_engine(path, block_size=4)
     ids, params = prompt(10, seed=3), greedy(4)
     first = prefill(a, Request("r", ids, params, prefill_only=True))
-    kv = a.export_kv("r")
+    kv = export_kv(a, "r")
     for i, rid in enumerate(("cancelled", "aborted")):
         blocks = b.reserve_import(Request(rid, ids, params))
         assert len(blocks) == 3 and b.stats().kv_blocks_used == 3 * (i + 1)

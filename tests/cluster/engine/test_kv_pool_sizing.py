@@ -58,6 +58,7 @@ def test_no_room_for_a_block_is_refused_saying_why():
 
 def test_an_engine_sizes_its_pool_from_kv_cache_memory(model_dir, make_engine):
     engine = make_engine(model_dir("llama-gqa"), kv_cache_memory="1MiB")
-    assert engine.blocks.num_blocks == (1 << 20) // engine.layout.block_bytes
-    assert engine.kv_cache.k.shape[1] == engine.blocks.num_blocks + 1  # and the scratch block
-    assert engine.stats().kv_blocks_total == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_blocks == (1 << 20) // engine.layout.block_bytes
+    # and the scratch block
+    assert engine.kv_cache.k.shape[1] == engine.scheduler.blocks.num_blocks + 1
+    assert engine.stats().kv_blocks_total == engine.scheduler.blocks.num_blocks

@@ -11,6 +11,7 @@ from cluster.errors import InvalidArgument
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from tests.conftest import greedy, prompt, run_to_completion
+from tests.engine_kv import export_kv, import_kv
 
 ARCH = "qwen2"
 N = 6
@@ -81,8 +82,8 @@ def test_logprobs_survive_the_prefill_to_decode_hop(model_dir, make_engine):
     while pre.has_work():
         for o in pre.step():
             out.setdefault(o.request_id, []).extend(o.logprobs)
-    kv = pre.export_kv("x")
-    dec.import_kv(Request("x", ids, params), kv, pre.seqs["x"].token_ids[-1])
+    kv = export_kv(pre, "x")
+    import_kv(dec, Request("x", ids, params), kv, pre.seqs["x"].token_ids[-1])
     while dec.has_work():
         for o in dec.step():
             out["x"].extend(o.logprobs)

@@ -16,6 +16,7 @@ from tests.conftest import (
     record_plans,
     run_to_completion,
 )
+from tests.engine_kv import export_kv
 
 BS = 4
 ARCH = "llama-gqa"
@@ -96,7 +97,7 @@ def test_cached_blocks_yield_to_new_work(model_dir, make_engine, hf):
         out = run_to_completion(engine, [r])[r.request_id]
         assert out.num_cached_tokens == 0
         hf.assert_greedy(path, r.prompt_token_ids, out.token_ids, 6)
-        assert engine.blocks.num_used == 0 and engine.blocks.num_cached <= 8
+        assert engine.scheduler.blocks.num_used == 0 and engine.scheduler.blocks.num_cached <= 8
     # The most recent prompt's prefix survived; it is found again.
     again = run_to_completion(engine, [Request("x", prompt(17, seed=14), greedy(2))])["x"]
     assert again.num_cached_tokens == 16
@@ -122,10 +123,10 @@ def test_held_prompt_blocks_are_shared_with_a_later_prompt(model_dir, make_engin
     prefill(engine, Request("b", shared + prompt(3, seed=9), greedy(4), prefill_only=True))
     blocks_a, _ = engine.held_blocks("a")
     blocks_b, n_b = engine.held_blocks("b")
-    assert blocks_a[:3] == blocks_b[:3] and engine.blocks.ref_count(blocks_a[0]) == 2
-    assert engine.export_kv("b").num_tokens == n_b == 15
+    assert blocks_a[:3] == blocks_b[:3] and engine.scheduler.blocks.ref_count(blocks_a[0]) == 2
+    assert export_kv(engine, "b").num_tokens == n_b == 15
     assert engine.release("a") and engine.release("b")
-    assert engine.blocks.num_used == 0
+    assert engine.scheduler.blocks.num_used == 0
 
 
 def test_disaggregated_output_is_the_same_with_a_cached_prefix(model_dir, make_engine):

@@ -16,6 +16,7 @@ from cluster.errors import InvalidArgument
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from tests.conftest import drive, greedy, prompt, run_to_completion
+from tests.engine_kv import export_kv, import_kv
 
 NEW = 16
 SAMPLED = SamplingParams(max_tokens=NEW, temperature=1.0, top_p=0.9, seed=1234)
@@ -48,9 +49,9 @@ def test_resumed_tokens_equal_an_unmoved_run(params, model_dir, make_engine, hf)
         first = drive(pre)[rid]
         assert first.finish_reason == ("prefilled" if k < NEW - 1 else "length")
         if first.finish_reason == "prefilled":
-            kv = pre.export_kv(rid)
+            kv = export_kv(pre, rid)
             assert kv.num_tokens == len(ids) + k
-            dec.import_kv(replace(request, prefill_only=False), kv, first.token_ids[0])
+            import_kv(dec, replace(request, prefill_only=False), kv, first.token_ids[0])
             rest = drive(dec)[rid].token_ids
             assert pre.release(rid)
         else:

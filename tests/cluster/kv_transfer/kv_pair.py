@@ -25,6 +25,7 @@ from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
+from tests.engine_kv import export_kv
 
 BLOCK_SIZE = 16
 # One block of one layer is 2 * 16 * 2 * 16 * 4 = 4 KiB: 8 KiB chunks split layers over blocks.
@@ -77,12 +78,15 @@ class Pair:
         )
 
     async def fetch_and_decode(self, handle: KVHandle, ids: tuple[int, ...]) -> list[int]:
-        kv = await self.client.fetch(handle, self.decode.layout)
-        assert await self.client.release(handle, "fetched")
+        """Decode `handle`'s request as the decode worker does (`DecodeWorker._fetched`):
+        reserve blocks, fetch the KV into them, release the lease, finish the import."""
         request = Request(handle.request_id, ids, PARAMS)
-        tokens = [handle.first_token_id]
-        stream = await self.decode.import_and_generate(request, kv, handle.first_token_id)
-        async for out in stream:
+        rid, first = request.request_id, handle.first_token_id
+        block_ids = await self.decode.call(lambda e: e.reserve_import(request))
+        await self.client.fetch_into(handle, self.decode.kv_pool, block_ids)
+        assert await self.client.release(handle, "fetched")
+        tokens = [first]
+        async for out in await self.decode._stream(rid, lambda e: e.finish_import(rid, first)):
             tokens.extend(out.token_ids)
         return tokens
 
@@ -137,7 +141,7 @@ async def fetch_exact_then_decode(
     own export)` and require it bit-exact; then fetch and decode all of them concurrently."""
     handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
     first = next(iter(prompts))
-    want = await p.prefill.call(lambda e: e.export_kv(first))
+    want = await p.prefill.call(lambda e: export_kv(e, first))
     got = await p.client.fetch(handles[first], p.decode.layout)
     check(got, want)
     assert torch.equal(got.k.cpu(), want.k.cpu()) and torch.equal(got.v.cpu(), want.v.cpu())

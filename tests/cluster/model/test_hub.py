@@ -45,7 +45,7 @@ def test_the_engine_loads_a_hub_id_and_generates_as_from_the_directory(snapshot)
         engine = Engine(config)
         (result,) = engine.generate([Request(name, prompt, params)])
         out[name] = list(result.token_ids)
-        assert engine.blocks.num_used == 0
+        assert engine.scheduler.blocks.num_used == 0
     assert len(out["hub"]) == 8 and out["hub"] == out["dir"]
 
 

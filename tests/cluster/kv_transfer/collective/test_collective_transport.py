@@ -35,6 +35,7 @@ from tests.cluster.kv_transfer.kv_pair import (
     prompt,
     run,
 )
+from tests.engine_kv import export_kv
 
 
 @dataclass
@@ -126,7 +127,7 @@ def test_pushed_kv_decodes_like_a_colocated_run_over_one_cached_group(llama_dir:
         async with collective_pair(llama_dir) as p:
             handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
             # Bit-exact with the prefill pool's own export.
-            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            want = await p.prefill.call(lambda e: export_kv(e, "r-long"))
             got = await p.client.fetch(handles["r-long"], p.decode.layout)
             assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
             assert got.num_tokens == 40 and tuple(got.k.shape[:2]) == (2, 3)

@@ -15,6 +15,7 @@ from cluster.errors import Unavailable
 from cluster.kv_transfer.grpc import grpc_kv_sender
 from cluster.kv_transfer.kv_frame import decode_frame, encode_frame
 from tests.cluster.kv_transfer.kv_pair import colocated, pair, prompt, run
+from tests.engine_kv import export_kv
 
 
 def test_corrupted_or_mislabelled_chunks_are_refused_as_unavailable(
@@ -67,7 +68,7 @@ def test_a_fetch_and_its_release_do_not_wait_for_a_busy_engine_thread(llama_dir:
         async with pair(llama_dir) as p:
             ids = prompt(40, 12)
             handle = await p.prefill_handle("r1", ids)
-            want = await p.prefill.call(lambda e: e.export_kv("r1"))
+            want = await p.prefill.call(lambda e: export_kv(e, "r1"))
             gate = threading.Event()
             busy = asyncio.ensure_future(p.prefill.call(lambda e: gate.wait(30)))
             try:

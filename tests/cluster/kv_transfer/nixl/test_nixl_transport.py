@@ -35,6 +35,7 @@ from tests.cluster.kv_transfer.kv_pair import (
     prompt,
     run,
 )
+from tests.engine_kv import export_kv
 
 try:
     load_nixl()
@@ -101,7 +102,7 @@ def test_read_kv_is_bit_exact_and_decodes_like_a_colocated_run(llama_dir: Path) 
     async def main() -> dict[str, list[int]]:
         async with nixl_pair(llama_dir) as p:
             handles = {rid: await p.prefill_handle(rid, ids) for rid, ids in prompts.items()}
-            want = await p.prefill.call(lambda e: e.export_kv("r-long"))
+            want = await p.prefill.call(lambda e: export_kv(e, "r-long"))
             got = await p.client.fetch(handles["r-long"], p.decode.layout)  # into new tensors
             assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
             tokens = await asyncio.gather(

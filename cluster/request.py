@@ -43,7 +43,13 @@ class Request:
     `stream_interval`: after the first, a worker sends this request's tokens to the router
     every `stream_interval` tokens (and with the last), merged into one message: fewer,
     larger messages on every hop for a client that needs no token-by-token stream (vLLM's
-    `--stream-interval`)."""
+    `--stream-interval`).
+
+    `request_id` addresses the request's state everywhere (engine, lease, cancel, token
+    stream): the router makes a random one for every attempt (first try, retry, migration), so
+    no client can name, cancel or collide with another's work. `label` is the client's own
+    name for the request (its `request_id`): echoed back and logged, never used to address
+    anything."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -52,6 +58,12 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: tuple[int, ...] = ()
     stream_interval: int = 1
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        """What the client calls it: its label, else the id."""
+        return self.label or self.request_id
 
     @property
     def num_context_tokens(self) -> int:

@@ -146,8 +146,13 @@ class Orchestrator:
                 f"stream_interval must be in 1..{MAX_STREAM_INTERVAL}, got {stream_interval}",
                 param="stream_interval",
             )
-        rid = request_id or uuid.uuid4().hex
-        return Request(rid, tuple(ids), params, stream_interval=stream_interval)
+        return Request(
+            new_request_id(),
+            tuple(ids),
+            params,
+            stream_interval=stream_interval,
+            label=request_id or "",
+        )
 
     async def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Render chat messages with the tokenizer's chat template, ready to generate."""
@@ -202,9 +207,9 @@ class Orchestrator:
         while True:
             streamed = False
             try:
-                relay = self._relay(
-                    request.request_id, self.colocated.generate, _resumed(request, done)
-                )
+                attempt = _resumed(request, done) if tally.attempts else request
+                tally.attempts += 1
+                relay = self._relay(attempt.request_id, self.colocated.generate, attempt)
                 async with aclosing(relay) as chunks:
                     async for chunk in chunks:
                         streamed = True
@@ -229,8 +234,9 @@ class Orchestrator:
         itself): a request that ends in between, cancelled or failed, releases it at once."""
         done: list[int] = []  # the tokens the client has
         while True:
-            resumed = _resumed(request, done)
-            result = await self._prefill(resumed)
+            first = _resumed(request, done) if tally.attempts else request
+            tally.attempts += 1
+            resumed, result = await self._prefill(first)
             decoded = False
             try:
                 done.extend(result.first.token_ids)
@@ -269,10 +275,14 @@ class Orchestrator:
             self.metrics.inc("pdserve_request_migrations_total", from_pool=pool)
         return True
 
-    async def _prefill(self, request: Request) -> PrefillResult:
+    async def _prefill(self, request: Request) -> tuple[Request, PrefillResult]:
+        """Prefill `request`, retried on UNAVAILABLE; each call is an attempt with an id of its
+        own. Returns the attempt that succeeded (the decode hop goes on under its id: the
+        lease is keyed by it) and its result."""
         for attempt in range(self.config.max_retries + 1):
             try:
-                return await self._prefill_call(request)
+                call = _attempt(request) if attempt else request
+                return call, await self._prefill_call(call)
             except Unavailable:
                 if attempt == self.config.max_retries:
                     raise
@@ -371,9 +381,19 @@ def _first_chunk(result: PrefillResult) -> WorkerChunk:
     )
 
 
+def new_request_id() -> str:
+    """An id for one attempt at a request: random, never the client's."""
+    return uuid.uuid4().hex
+
+
+def _attempt(request: Request) -> Request:
+    """`request` as a new attempt: the same generation under a fresh id."""
+    return replace(request, request_id=new_request_id())
+
+
 def _resumed(request: Request, done: list[int]) -> Request:
-    """`request`, to go on after the tokens `done` the client already has."""
-    return replace(request, output_token_ids=tuple(done)) if done else request
+    """`request` as a new attempt, to go on after the tokens `done` the client already has."""
+    return replace(request, output_token_ids=tuple(done), request_id=new_request_id())
 
 
 def _outcome_seen(call: asyncio.Future) -> None:

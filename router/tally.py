@@ -33,6 +33,7 @@ class Tally:
         self.first_token_at: float | None = None
         self.queue = self.prefill = self.transfer = 0.0
         self.prefill_replica = self.decode_replica = ""
+        self.attempts = 0  # calls made for it, each under an id of its own
         self.retries = 0  # hops tried again before they streamed a token
         self.migrations = 0  # generations resumed elsewhere after tokens were streamed
 
@@ -59,11 +60,11 @@ class Tally:
         self.completion_tokens += len(out.token_ids)
         if out.finish_reason is None:
             return GenerationChunk(
-                self.request.request_id, out.token_ids, out.text, logprobs=out.logprobs
+                self.request.name, out.token_ids, out.text, logprobs=out.logprobs
             )
         self._finished(out.finish_reason, now)
         return GenerationChunk(
-            self.request.request_id,
+            self.request.name,
             out.token_ids,
             out.text,
             finish_reason=out.finish_reason,

@@ -63,8 +63,13 @@ class FakeService:
             raise InvalidArgument("prompt is empty", param="prompt")
         if request_id:
             check_request_id(request_id)
-        rid = request_id or uuid.uuid4().hex
-        request = Request(rid, tuple(ids), params, stream_interval=stream_interval or 1)
+        request = Request(
+            uuid.uuid4().hex,  # as the orchestrator: an id of the server's, the client's a label
+            tuple(ids),
+            params,
+            stream_interval=stream_interval or 1,
+            label=request_id or "",
+        )
         self.requests.append(request)
         return request
 
@@ -93,9 +98,7 @@ class FakeService:
                     last = self._last(request, i + 1, text, self.last_reason or "length")
                     yield replace(last, logprobs=fake_logprobs(params, i + 1))
                     return
-                yield GenerationChunk(
-                    request.request_id, (i,), text, logprobs=fake_logprobs(params, i)
-                )
+                yield GenerationChunk(request.name, (i,), text, logprobs=fake_logprobs(params, i))
         finally:
             # as the real one awaits its KV release: must not be cancelled
             await asyncio.sleep(self.close_s)
@@ -103,7 +106,7 @@ class FakeService:
 
     def _last(self, request: Request, n: int, text: str, reason: str) -> GenerationChunk:
         usage = Usage(len(request.prompt_token_ids), n, cached_prompt_tokens=1)
-        return GenerationChunk(request.request_id, (n,), text, reason, usage, TIMING)
+        return GenerationChunk(request.name, (n,), text, reason, usage, TIMING)
 
 
 def fake_logprobs(params: SamplingParams, token: int) -> tuple[TokenLogprobs, ...]:

@@ -39,7 +39,8 @@ def test_set_fields_reach_the_request():
     msg = pb.GenerateRequest(request_id="r1", prompt="abc", sampling=sampling, model=MODEL_ID)
     request = from_proto(msg, FakeService())
     p = request.params
-    assert request.request_id == "r1" and len(request.prompt_token_ids) == 3
+    assert request.label == "r1" and request.request_id != "r1"
+    assert len(request.prompt_token_ids) == 3
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (3, 0.0, 0.5, 4, 9)
     assert (p.stop, p.stop_token_ids, p.logprobs) == (("x",), (7,), 2)
 

@@ -65,6 +65,7 @@ class FakePools:
     worker_calls: list[asyncio.Task] = field(default_factory=list)
     prefill_tasks: list[asyncio.Task] = field(default_factory=list)
     resumed_at: list[int] = field(default_factory=list)  # per call: len(output_token_ids)
+    ids: list[str] = field(default_factory=list)  # per call: the request id the worker saw
 
     @property
     def prefill(self):
@@ -86,6 +87,7 @@ class FakePools:
 
     async def _send(self, payload, route):
         request = getattr(payload, "request", payload)  # a DecodeRequest, or a Request
+        self.ids.append(request.request_id)
         self.resumed_at.append(len(request.output_token_ids))
         start = len(request.output_token_ids) + (payload is not request)  # decode: after first
         plan = self._worker(request, start, "c0" if payload is request else "d0")
@@ -111,6 +113,7 @@ class FakePools:
         return _Call(self.prefill_tasks[-1], self.cancel_too_late)
 
     async def _prefill(self, request):
+        self.ids.append(request.request_id)
         self.prefill_calls += 1
         await asyncio.sleep(self.prefill_seconds)
         if self.prefill_calls <= self.prefill_failures:
@@ -335,7 +338,7 @@ def test_a_request_cancelled_during_its_prefill_cancels_the_call_or_releases_its
     CancelPrefill (Serve may drop a result that was on its way); if the result lands anyway,
     because the replica had finished, the lease in it is released at once."""
 
-    async def main(replica_finishes: bool) -> tuple[asyncio.Task, Releases]:
+    async def main(replica_finishes: bool) -> tuple[asyncio.Task, Releases, list[tuple]]:
         pools = FakePools(prefill_seconds=0.3, cancel_too_late=replica_finishes)
         releases = Releases()
         request = asyncio.ensure_future(run_async(pools, releases=releases))
@@ -346,13 +349,14 @@ def test_a_request_cancelled_during_its_prefill_cancels_the_call_or_releases_its
         (call,) = pools.prefill_tasks
         await asyncio.gather(call, return_exceptions=True)
         await asyncio.sleep(0.05)  # the release goes out in the background
-        return call, releases
+        (attempt,) = pools.ids  # cancelled by the attempt's id, never by the client's label
+        assert attempt != "r1"
+        return call, releases, [(e, attempt) for e in PREFILL_ENDPOINTS]
 
-    everywhere = [(e, "r1") for e in PREFILL_ENDPOINTS]
-    call, releases = asyncio.run(main(replica_finishes=False))
+    call, releases, everywhere = asyncio.run(main(replica_finishes=False))
     assert call.cancelled() and releases.released == []
     assert releases.cancelled == everywhere
-    call, releases = asyncio.run(main(replica_finishes=True))
+    call, releases, everywhere = asyncio.run(main(replica_finishes=True))
     assert not call.cancelled() and releases.released == ["cancelled"]
     assert releases.cancelled == everywhere
 
@@ -393,3 +397,53 @@ def test_colocated_streams_one_worker_call():
     last = chunks[-1]
     assert last.finish_reason == "length" and last.timing.prefill_replica == "c0"
     assert last.timing.prefill_seconds == pytest.approx(0.01)
+
+
+# -- identity: the client's request_id is a label --------------------------------------------
+
+
+def test_every_attempt_has_an_id_of_its_own_and_the_client_sees_its_label():
+    pools = FakePools(prefill_failures=1, decode_plan=["fail-late", "ok"])
+    chunks = run(pools, max_tokens=4)
+    assert tokens(chunks) == [7, 8, 9, 10]
+    assert {c.request_id for c in chunks} == {"r1"}
+    # prefill (failed), prefill, decode (failed mid-stream), re-prefill, decode
+    assert len(pools.ids) == 5 and "r1" not in pools.ids
+    attempts = [pools.ids[0], pools.ids[1], pools.ids[3]]
+    assert len(set(attempts)) == 3, "a retry or a migration reused an attempt's id"
+    assert pools.ids[2] == pools.ids[1] and pools.ids[4] == pools.ids[3]  # decode: its prefill's
+
+
+def test_two_clients_using_one_request_id_at_once_get_their_own_complete_streams():
+    async def both():
+        pools = FakePools(prefill_seconds=0.05)
+        spec = ArchSpec(
+            512, 64, 128, 2, 4, 2, 8, 1e-5, 256, {}, False, False, False, False, False, None
+        )
+        info = ModelInfo(spec, None, "m@0", frozenset(), 256)
+        config = AppConfig(
+            model=ModelConfig(path="/nonexistent"), transfer=TransferConfig(secret=SECRET)
+        )
+        server = TokenStreamServer("127.0.0.1")
+        await server.start()
+        try:
+            orch = Orchestrator(config, info, pools.prefill, pools.decode, pools.colocated, server)
+            orch.leases = LeaseReleases(Releases(), CAPABILITY, prefill_endpoints)
+
+            async def one(max_tokens):
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+                request = await orch.build_request(None, [1, 2, 3], params, "same")
+                return [c async for c in orch.generate(request)]
+
+            got = await asyncio.gather(one(3), one(5))
+            await asyncio.gather(*pools.worker_calls, return_exceptions=True)
+            await orch.close()
+            return got, pools.ids
+        finally:
+            await server.stop()
+
+    (a, b), ids = asyncio.run(both())
+    assert tokens(a) == [7, 8, 9] and tokens(b) == [7, 8, 9, 10, 11]
+    assert a[-1].finish_reason == b[-1].finish_reason == "length"
+    assert {c.request_id for c in a + b} == {"same"}
+    assert len(set(ids)) == 2 and "same" not in ids

@@ -63,7 +63,8 @@ def test_a_request_id_that_is_not_a_printable_label_is_refused(orch, rid):
 
 def test_a_printable_request_id_of_256_is_accepted(orch):
     rid = "".join(chr(32 + i % 95) for i in range(MAX_REQUEST_ID_BYTES))
-    assert grpc(orch, request_id=rid, prompt="hi").request_id == rid
+    request = grpc(orch, request_id=rid, prompt="hi")
+    assert request.label == rid and request.request_id != rid  # a label, never an address
 
 
 def test_a_greedy_request_may_leave_max_tokens_to_the_server(orch):

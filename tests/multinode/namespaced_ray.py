@@ -91,9 +91,15 @@ class NamespacedRay:
             ]  # fmt: skip
         return [*command, f"--address={self.head_ip}:{GCS_PORT}"]
 
-    def start(self, host: str) -> None:
-        done = self.lab.run(host, self.start_command(host), env=self.env, timeout=180)
-        assert done.returncode == 0, f"ray start on {host}: {done.stdout}\n{done.stderr}"
+    def start(self, host: str, attempts: int = 2) -> None:
+        """`ray start` on `host`; on a loaded machine its wait for the GCS can run out, so a
+        failed start is cleared (every process of the host killed) and tried again."""
+        for _ in range(attempts):
+            done = self.lab.run(host, self.start_command(host), env=self.env, timeout=240)
+            if done.returncode == 0:
+                return
+            self.lab.kill_all(host)
+        raise AssertionError(f"ray start on {host}: {done.stdout}\n{done.stderr}")
 
     def client(self, verb: str, timeout: float = 120.0, **args: Any) -> Any:
         """`tests.multinode.ns_client VERB` in the head host; its JSON answer."""

@@ -9,7 +9,8 @@ Every name (namespaces, veth ends) starts with the lab's `prefix`, unique per ru
 process started in a host carries `MARKER_ENV=prefix` in its environment, so `leftovers(prefix)`
 can tell whether anything of a run is still there. `destroy` kills every process in every host
 (SIGKILL, by pid, from `ip netns pids`) and deletes the namespaces (their veths go with them);
-it runs at most once and is registered with atexit as soon as the first namespace exists.
+it runs at most once and is registered with atexit as soon as the first namespace exists
+(SIGTERM then exits through Python, so it runs then too).
 
 Contract: the caller is root on Linux with iproute2 (`usable()` says why not); `destroy` is
 safe to call after a partial `create` and never raises.
@@ -31,6 +32,10 @@ MARKER_ENV = "PDSERVE_NETNS_LAB"
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def usable() -> str:
@@ -69,6 +74,8 @@ class NetnsLab:
     def create(self, hosts: Sequence[str]) -> None:
         """The switch and one namespace per host, addresses .2, .3, ... of the subnet."""
         atexit.register(self.destroy)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `timeout`, a CI job cancelled
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so finally blocks and atexit run
         net = ipaddress.ip_network(self.subnet)
         self._add_ns(self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")

@@ -4,9 +4,11 @@ joins the continuous batch and streams tokens.
 The pull is this side's job (the prefill side never learns where decoding happens), so Serve's
 own routing picks the replica in each pool. The engine reserves the prompt's blocks first and
 the KV client writes the KV straight into them (`KVClient.fetch_into`; under `nixl` a READ from
-the prefill pool into ours). The lease is released as soon as the KV is in our pool: the
-ReleaseKV call runs while the sequence joins the batch, so its round trip is not on the way to
-the second token. The engine's output thread sends the tokens to the router's token server
+the prefill pool into ours). A fetch that does not end within `fetch_timeout_seconds` fails
+the call UNAVAILABLE, as an unreachable prefill replica does, so the router prefills the prompt
+again. The lease is released as soon as the KV is in our pool: the ReleaseKV call runs while
+the sequence joins the batch, so its round trip is not on the way to the second token. The
+engine's output thread sends the tokens to the router's token server
 (decode_worker/token_sender.py) while the Serve call stays open until the last one. A replica
 being removed lets its streams finish within the graceful shutdown timeout and ends the rest
 with finish reason "abort".
@@ -21,7 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
 from cluster.engine.engine import Engine
-from cluster.errors import PdServeError
+from cluster.errors import DeadlineExceeded, PdServeError, Unavailable
 from cluster.kv_transfer.transport_factory import make_kv_client
 from cluster.request import Request, StepOutput
 from cluster.serving.app_config import AppConfig
@@ -72,6 +74,10 @@ class DecodeWorker(EngineReplica):
                 nbytes = await self.kv_client.fetch_into(req.handle, pool, block_ids)
             except PdServeError as e:
                 self.metrics.inc("pdserve_kv_transfer_failures_total", code=e.grpc_code)
+                if isinstance(e, DeadlineExceeded):
+                    # The prefill replica did not deliver within fetch_timeout_seconds (gone,
+                    # or cut off from this node): the router may prefill the prompt again.
+                    raise Unavailable(e.message) from None
                 raise
             released = asyncio.ensure_future(self.kv_client.release(req.handle, "fetched"))
             try:

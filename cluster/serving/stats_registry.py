@@ -6,6 +6,10 @@ Instead each engine replica pushes its `ReplicaStats` to one named Ray actor per
 whenever its figures change (sampled every 0.2 s) and at least once a second (see
 `EngineReplica._report`), and removes itself at shutdown; entries that stop arriving (a replica
 that died) age out after `ttl`.
+
+The registry lives on the head node, as Serve's controller does: made by whichever replica
+asks first, it would otherwise run on that replica's node and go with it, and `GetStats`
+would fail on every router until the end of the application.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from cluster.serving.pool_messages import ReplicaStats
 # Every replica pushes its entry again at least this often (engine replicas:
 # `EngineReplica._report`; router replicas: router/endpoint_reporter.py), so no entry is older.
 REPORT_INTERVAL_S = 1.0
+# Ray gives this resource to the head node only.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 @ray.remote(num_cpus=0)
@@ -46,4 +52,5 @@ def registry(app_name: str):
         namespace="pdserve",
         get_if_exists=True,
         lifetime="detached",
+        resources={HEAD_NODE_RESOURCE: 0.001},
     ).remote()

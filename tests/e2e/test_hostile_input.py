@@ -1,0 +1,86 @@
+"""Hostile input end to end, through Serve's proxies to the session's apps
+(tests/e2e/conftest.py): a request id that is no label, a temperature in float32's underflow,
+a tiny repetition penalty, a 4 MB prompt (beside a victim's stream), a message past the proxy's
+4 MiB, and over HTTP a 4 MB body, a lone surrogate and a 5,000-digit logit_bias key; each gets
+its documented code from the real router, and the app serves on with nothing pinned."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import requests
+
+from tests.e2e.conftest import PD
+from tests.e2e.grpc_calls import generate, greedy_sampling, tokens
+from tests.ray_fixtures import wait_for_idle
+
+FOUR_MB = "x" * 4_000_000
+
+
+def refused(apps, **fields) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        generate(apps, PD, **fields)
+    return e.value
+
+
+@pytest.mark.parametrize("rid", ["r" * 300, "r" * 10_000, "new\nline"])
+def test_a_request_id_that_is_not_a_label_is_invalid_argument(apps, rid):
+    e = refused(apps, request_id=rid, prompt="x", sampling=greedy_sampling(2))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.details()
+
+
+def test_a_tiny_temperature_is_greedy_and_a_tiny_penalty_is_refused(apps):
+    want = tokens(generate(apps, PD, prompt="hello there", sampling=greedy_sampling(8))[0])
+    tiny = greedy_sampling(8)
+    tiny.temperature = 1e-45  # positive in float32: below the floor, greedy
+    assert tokens(generate(apps, PD, prompt="hello there", sampling=tiny)[0]) == want
+    tiny.temperature, tiny.repetition_penalty = 1.0, 1e-40
+    e = refused(apps, prompt="hello there", sampling=tiny)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "repetition_penalty" in e.details()
+
+
+def test_a_4mb_prompt_is_refused_at_once_and_a_victims_stream_goes_on(apps):
+    victim = {"prompt": "a victim's stream", "sampling": greedy_sampling(120)}
+    want = tokens(generate(apps, PD, **victim)[0])
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(run=generate(apps, PD, **victim)))
+    thread.start()
+    time.sleep(0.5)  # the victim is streaming
+    start = time.monotonic()
+    e = refused(apps, prompt=FOUR_MB, sampling=greedy_sampling(2))
+    took = time.monotonic() - start
+    thread.join(60)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in e.details()
+    assert took < 1.0, took
+    msgs, times = got["run"]
+    assert tokens(msgs) == want
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) < 1.0, max(gaps)
+    wait_for_idle(apps, PD, {"prefill", "decode"})
+
+
+def test_a_message_past_the_proxys_limit_is_resource_exhausted(apps):
+    e = refused(apps, prompt="x" * (5 << 20), sampling=greedy_sampling(2))
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+    assert len(tokens(generate(apps, PD, prompt="ok", sampling=greedy_sampling(2))[0])) == 2
+
+
+def test_hostile_openai_bodies_get_their_codes(apps):
+    url = f"{apps.http_base}/pd/v1/completions"
+    base = {"prompt": "hello there", "max_tokens": 8}
+    with requests.Session() as http:
+        r = http.post(url, json={**base, "prompt": FOUR_MB}, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        raw = b'{"prompt": "hi \\ud800", "max_tokens": 2}'
+        r = http.post(url, data=raw, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = http.post(url, json={**base, "logit_bias": {"9" * 5000: 1}}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+        greedy = http.post(url, json={**base, "temperature": 0}, timeout=60)
+        tiny = http.post(url, json={**base, "temperature": 1e-40}, timeout=60)
+        assert greedy.status_code == tiny.status_code == 200, tiny.text
+        assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    wait_for_idle(apps, PD, {"prefill", "decode"})

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from cluster.errors import InvalidArgument
+from cluster.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 # Bounds on stop conditions: every step checks each stop string against the new text, so an
@@ -57,6 +58,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0
+    # The output must match this (a JSON schema, a regex, ...): tokens outside it are masked
+    # before the draw (cluster/engine/grammar). None: unconstrained.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -142,6 +146,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.frequency_penalty
             or self.presence_penalty
+            or self.structured is not None
         )
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, fields, replace
@@ -39,6 +38,7 @@ from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
 from cluster.serving.stats_registry import registry
+from router.attempt import new_request_id, resume_of, retry_of
 from router.deadline import Deadline
 from router.generation_chunk import GenerationChunk
 from router.generation_service import ServedModel
@@ -207,7 +207,7 @@ class Orchestrator:
         while True:
             streamed = False
             try:
-                attempt = _resumed(request, done) if tally.attempts else request
+                attempt = resume_of(request, done) if tally.attempts else request
                 tally.attempts += 1
                 relay = self._relay(attempt.request_id, self.colocated.generate, attempt)
                 async with aclosing(relay) as chunks:
@@ -234,7 +234,7 @@ class Orchestrator:
         itself): a request that ends in between, cancelled or failed, releases it at once."""
         done: list[int] = []  # the tokens the client has
         while True:
-            first = _resumed(request, done) if tally.attempts else request
+            first = resume_of(request, done) if tally.attempts else request
             tally.attempts += 1
             resumed, result = await self._prefill(first)
             decoded = False
@@ -281,7 +281,7 @@ class Orchestrator:
         lease is keyed by it) and its result."""
         for attempt in range(self.config.max_retries + 1):
             try:
-                call = _attempt(request) if attempt else request
+                call = retry_of(request) if attempt else request
                 return call, await self._prefill_call(call)
             except Unavailable:
                 if attempt == self.config.max_retries:
@@ -379,21 +379,6 @@ def _first_chunk(result: PrefillResult) -> WorkerChunk:
         queue_seconds=result.queue_seconds,
         prefill_seconds=result.prefill_seconds,
     )
-
-
-def new_request_id() -> str:
-    """An id for one attempt at a request: random, never the client's."""
-    return uuid.uuid4().hex
-
-
-def _attempt(request: Request) -> Request:
-    """`request` as a new attempt: the same generation under a fresh id."""
-    return replace(request, request_id=new_request_id())
-
-
-def _resumed(request: Request, done: list[int]) -> Request:
-    """`request` as a new attempt, to go on after the tokens `done` the client already has."""
-    return replace(request, output_token_ids=tuple(done), request_id=new_request_id())
 
 
 def _outcome_seen(call: asyncio.Future) -> None:

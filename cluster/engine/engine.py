@@ -26,6 +26,7 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.cuda_graphs import capture_decode_graphs
+from cluster.engine.grammar import GrammarCompiler, GrammarState
 from cluster.engine.kv_cache import KVCache, KVLayout, kv_pool_blocks
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.output_processor import OutputProcessor
@@ -100,6 +101,7 @@ class Engine:
         self.detokenize_in_step = True
         self._pending: list[StepOutput] = []
         self.generated_tokens = 0
+        self._grammars: GrammarCompiler | None = None  # made on the first constrained request
 
     # -- admission -------------------------------------------------------------------------
 
@@ -166,7 +168,21 @@ class Engine:
             request,
             seed if seed is not None else random.getrandbits(63),
             self.info.eos_token_ids,
+            self._grammar(request),
         )
+
+    def _grammar(self, request: Request) -> GrammarState | None:
+        """A constrained request's grammar state, advanced over the output it resumes from
+        (a migration's tokens): the state travels as the tokens do."""
+        so = request.params.structured
+        if so is None:
+            return None
+        if self._grammars is None:  # the first constrained request pays the tokenizer's scan
+            if self.tokenizer is None:
+                raise InvalidArgument("this model has no tokenizer to constrain", "structured")
+            vocab = self.info.spec.vocab_size
+            self._grammars = GrammarCompiler(self.tokenizer, vocab, sorted(self.info.eos_token_ids))
+        return self._grammars.state(so, replay=request.output_token_ids)
 
     def _admit(self, seq: Sequence, replay: tuple[int, ...] | None = None) -> None:
         """`replay`: output tokens whose text was streamed already (default: a resumed

@@ -170,6 +170,7 @@ class ModelRunner:
             [q.seed for q in seqs],
             [q.num_output_tokens for q in seqs],
             [q.token_ids for q in seqs],
+            [q.grammar for q in seqs],
         )
         wanted = [q.params.logprobs for q in seqs]
         errors: dict[int, PdServeError] = {}

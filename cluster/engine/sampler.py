@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cluster.engine.grammar import GrammarState, apply_masks
 from cluster.engine.penalties import apply_penalties
 from cluster.errors import InvalidArgument, PdServeError
 from cluster.model.triton_attention import upload
@@ -52,6 +53,7 @@ class Sampler:
         seeds: list[int],
         positions: list[int],  # output position each row samples (= output tokens so far)
         histories: Sequence[Sequence[int]] = (),  # each row's tokens; read only for penalties
+        grammars: Sequence[GrammarState | None] = (),  # per row; a constrained row's state
     ) -> list[int]:
         """The token each row picks, or NO_TOKEN for a row whose logits are not finite after
         its adjustments (see above). `logits` is left as it is (logprobs read it raw)."""
@@ -71,6 +73,8 @@ class Sampler:
                 [histories[r] for r in adjusted],
                 [positions[r] for r in adjusted],
             )
+            if grammars:  # after the penalties, so no bias can lift a masked token back
+                apply_masks(sub, [grammars[r] for r in adjusted])
             tokens = tokens.index_copy(0, index, _argmax(sub))
         if sampled:
             n = len(sampled)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from enum import Enum
 
+from cluster.engine.grammar import GrammarState
 from cluster.engine.prefix_hash import extend_block_hashes
+from cluster.errors import PdServeError
 from cluster.request import FinishReason, Request
 
 
@@ -24,8 +26,15 @@ class Sequence:
     token samples the next one.
     """
 
-    def __init__(self, request: Request, seed: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        request: Request,
+        seed: int,
+        eos_token_ids: frozenset[int],
+        grammar: GrammarState | None = None,  # advanced over the request's output tokens
+    ) -> None:
         self.request = request
+        self.grammar = grammar
         self.request_id = request.request_id
         self.params = request.params
         self.seed = seed
@@ -69,6 +78,11 @@ class Sequence:
         """Add a sampled token; return why the sequence stops, if it does."""
         self.token_ids.append(token_id)
         p = self.params
+        if self.grammar is not None:
+            if not self.grammar.advance(token_id):
+                raise PdServeError(f"token {token_id} is outside the request's constraint")
+            if self.grammar.done:
+                return "stop"
         if not p.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
         if token_id in p.stop_token_ids:

@@ -123,10 +123,10 @@ class _RaisingFor:
         self.params, self.sampler = params, sampler
         self.logprobs = sampler.logprobs
 
-    def __call__(self, logits, params, seeds, positions, histories):
+    def __call__(self, logits, params, *rows):
         if any(p is self.params for p in params):
             raise RuntimeError("sampler broke")
-        return self.sampler(logits, params, seeds, positions, histories)
+        return self.sampler(logits, params, *rows)
 
 
 @pytest.mark.parametrize("where", ["stop check", "text"])

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.generation_chunk import Timing, Usage
+from router.openai_structured import StructuredFields
 from router.openai_unsupported import UnsupportedChatFields, UnsupportedCompletionFields
 
 
@@ -40,7 +41,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingBody(_Body):
+class _SamplingBody(_Body, StructuredFields):
     """Fields the two endpoints share: model choice, streaming, and sampling."""
 
     model: str | None = None
@@ -111,6 +112,7 @@ class _SamplingBody(_Body):
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             min_p=self.min_p,
+            structured=self.constraint(),
         )
 
 

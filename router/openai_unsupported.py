@@ -2,7 +2,7 @@
 
 Each is declared, so that a request using one is refused with a 400 naming the field rather
 than silently served as if the field were absent. Absent, `null`, and the values that ask for
-nothing (`tools: []`, `response_format: {"type": "text"}`, `best_of: 1`, ...) are accepted.
+nothing (`tools: []`, `best_of: 1`, ...) are accepted.
 Fields that cannot change the generated tokens (`user`, `metadata`, `store`, `service_tier`,
 ...) are not listed here: like any unknown field, they are ignored.
 """
@@ -19,7 +19,6 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "best_of": (1,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -38,11 +37,6 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (),
     "logits_processors": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "echo": (False,),
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
@@ -76,7 +70,6 @@ class _Refusing(BaseModel):
 class UnsupportedSamplingFields(_Refusing):
     """What neither endpoint implements."""
 
-    response_format: Unsupported = None
     min_tokens: Unsupported = None
     use_beam_search: Unsupported = None
     length_penalty: Unsupported = None
@@ -86,11 +79,6 @@ class UnsupportedSamplingFields(_Refusing):
     include_stop_str_in_output: Unsupported = None
     truncate_prompt_tokens: Unsupported = None
     logits_processors: Unsupported = None
-    guided_json: Unsupported = None
-    guided_regex: Unsupported = None
-    guided_choice: Unsupported = None
-    guided_grammar: Unsupported = None
-    structured_outputs: Unsupported = None
 
 
 class UnsupportedCompletionFields(UnsupportedSamplingFields):

@@ -89,7 +89,6 @@ CASES = [("/v1/completions", f) for f in UnsupportedCompletionFields.model_field
 SOMETHING: dict[str, object] = {
     "best_of": 2,
     "suffix": "tail",
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "auto",
     "functions": [{"name": "f"}],

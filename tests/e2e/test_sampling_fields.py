@@ -62,9 +62,9 @@ def test_http_refuses_what_is_not_implemented_and_serves_the_rest(apps):
         client.chat.completions.create(
             model="",
             messages=[{"role": "user", "content": "hi"}],
-            response_format={"type": "json_object"},
+            extra_body={"use_beam_search": True},
         )
-    assert e.value.body["param"] == "response_format"
+    assert e.value.body["param"] == "use_beam_search"
     out = client.completions.create(
         model="",
         prompt=PROMPT,

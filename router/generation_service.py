@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
+from router.chat.chat_plan import ChatOptions
 from router.generation_chunk import GenerationChunk
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class ServedModel:
 
 class GenerationService(Protocol):
     model: ServedModel
+    chat_options: ChatOptions  # tool-call and reasoning parsers (router/chat)
 
     def sampling_params(self, max_tokens: int | None = None, **fields: Any) -> SamplingParams:
         """The request's sampling parameters, server defaults filled in for fields left None."""
@@ -59,7 +61,7 @@ class GenerationService(Protocol):
         prompt is tokenized off the event loop. `stream_interval` None: the server's."""
         ...
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat messages rendered with the model's chat template, tokenized; bounded in count
         and size before they are rendered (router/prompt_tokenizer.py)."""
         ...

@@ -35,7 +35,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from cluster.errors import NotFound, PdServeError, Unavailable
+from cluster.errors import InvalidArgument, NotFound, PdServeError, Unavailable
+from router.chat.chat_plan import ChatPlan
 from router.generation_chunk import GenerationChunk
 from router.openai_protocol import (
     ChatCompletionRequest,
@@ -93,12 +94,23 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         service = get_service()
         model = _served_model(service, body.model)
-        params = service.sampling_params(**body.sampling_fields(body.token_limit))
+        plan = ChatPlan(service.chat_options, body.tools, body.tool_choice)
+        fields = body.sampling_fields(body.token_limit)
+        if plan.constraint is not None:
+            if fields["structured"] is not None:
+                raise InvalidArgument(
+                    "tool_choice required or named constrains the answer already; "
+                    "leave out response_format",
+                    param="tool_choice",
+                )
+            fields["structured"] = plan.constraint
+        params = service.sampling_params(**fields)
         params.check_vocab(service.model.vocab_size)
-        prompt_token_ids = await service.chat_prompt([m.for_template() for m in body.messages])
+        messages = [m.for_template() for m in body.messages]
+        prompt_token_ids = await service.chat_prompt(messages, plan.tools or None)
         request = await service.build_request(None, prompt_token_ids, params)
         view = ChatView(
-            f"chatcmpl-{request.request_id}", int(time.time()), model, service.token_text
+            f"chatcmpl-{request.request_id}", int(time.time()), model, service.token_text, plan
         )
         return await _answer(service, request, view, body.stream, body.include_usage)
 

@@ -9,6 +9,7 @@ silently dropped. Responses follow OpenAI's shapes; the extra
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -163,6 +164,8 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -179,13 +182,31 @@ class ChatMessage(_Body):
             text = "\n".join(part.text or "" for part in self.content)
         else:
             text = self.content or ""
-        return {"role": self.role, "content": text}
+        message: dict[str, Any] = {"role": self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call as chat templates read it: arguments as an object, not JSON text."""
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            raise ValueError("a tool call's arguments must be JSON") from None
+    return {**call, "function": fn}
 
 
 class ChatCompletionRequest(_SamplingBody, UnsupportedChatFields):
     """`POST /v1/chat/completions`. Without a token limit the server default applies."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -270,9 +291,25 @@ class CompletionResponse(BaseModel):
     pdserve_timing: Timing | None = _omitted_when_none()
 
 
+class FunctionCall(BaseModel):
+    name: str | None = _omitted_when_none()
+    arguments: str | None = _omitted_when_none()
+
+
+class ToolCallOut(BaseModel):
+    """A call in a response; in a stream chunk `index` is set and the rest only once."""
+
+    index: int | None = _omitted_when_none()
+    id: str | None = _omitted_when_none()
+    type: Literal["function"] | None = _omitted_when_none()
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = _omitted_when_none()
+    tool_calls: list[ToolCallOut] | None = _omitted_when_none()
 
 
 class ChatCompletionChoice(BaseModel):
@@ -295,6 +332,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = _omitted_when_none()
     content: str | None = _omitted_when_none()
+    reasoning_content: str | None = _omitted_when_none()
+    tool_calls: list[ToolCallOut] | None = _omitted_when_none()
 
 
 class ChatCompletionChunkChoice(BaseModel):

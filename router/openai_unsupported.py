@@ -2,7 +2,7 @@
 
 Each is declared, so that a request using one is refused with a 400 naming the field rather
 than silently served as if the field were absent. Absent, `null`, and the values that ask for
-nothing (`tools: []`, `best_of: 1`, ...) are accepted.
+nothing (`functions: []`, `best_of: 1`, ...) are accepted.
 Fields that cannot change the generated tokens (`user`, `metadata`, `store`, `service_tier`,
 ...) are not listed here: like any unknown field, they are ignored.
 """
@@ -19,8 +19,6 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
@@ -87,8 +85,6 @@ class UnsupportedCompletionFields(UnsupportedSamplingFields):
 
 
 class UnsupportedChatFields(UnsupportedSamplingFields):
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
     functions: Unsupported = None
     function_call: Unsupported = None
     audio: Unsupported = None

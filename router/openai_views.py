@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from cluster.request import TokenLogprobs
+from router.chat.chat_plan import ChatOptions, ChatPlan
 from router.generation_chunk import GenerationChunk
 from router.openai_protocol import (
     AssistantMessage,
@@ -19,6 +20,8 @@ from router.openai_protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCall,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
@@ -96,20 +99,39 @@ class CompletionView(_View):
 
 
 class ChatView(_View):
-    """One chat request's `chat.completion` and `chat.completion.chunk` objects."""
+    """One chat request's `chat.completion` and `chat.completion.chunk` objects; its `plan`
+    splits the text into reasoning, content and tool calls (router/chat)."""
 
     chunk_type = ChatCompletionChunk
 
+    def __init__(
+        self,
+        id: str,
+        created: int,
+        model: str,
+        token_text: Callable[[int], str],
+        plan: ChatPlan | None = None,
+    ):
+        super().__init__(id, created, model, token_text)
+        self.plan = plan or ChatPlan(ChatOptions(), None, None)
+        self.stream = self.plan.stream()
+
     def response(self, text: str, last: GenerationChunk, scored: Scored) -> ChatCompletionResponse:
+        answer = self.plan.answer(text)
+        calls = [_call_out(c.id, c.name, c.arguments) for c in answer.tool_calls]
+        content = answer.content if calls else answer.content or ""
+        message = AssistantMessage(
+            content=content, reasoning_content=answer.reasoning, tool_calls=calls or None
+        )
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
             choices=[
                 ChatCompletionChoice(
-                    message=AssistantMessage(content=text),
+                    message=message,
                     logprobs=self._logprobs(scored),
-                    finish_reason=last.finish_reason,
+                    finish_reason=_reason(last.finish_reason, bool(calls)),
                 )
             ],
             usage=UsageInfo.of(last.usage),
@@ -118,12 +140,24 @@ class ChatView(_View):
 
     def chunks(self, chunk: GenerationChunk, is_first: bool) -> Iterator[ChatCompletionChunk]:
         # The first chunk names the role (with whatever content it has); later ones carry text.
-        if is_first or chunk.text or chunk.logprobs or chunk.finish_reason is not None:
-            delta = DeltaMessage(role="assistant" if is_first else None, content=chunk.text)
+        reasoning, content, deltas = self.stream.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            more = self.stream.finish()
+            reasoning, content, deltas = reasoning + more[0], content + more[1], deltas + more[2]
+        news = reasoning or content or deltas or chunk.logprobs
+        if is_first or news or chunk.finish_reason is not None:
+            calls = [_call_out(d.id, d.name, d.arguments, d.index) for d in deltas]
+            delta = DeltaMessage(
+                role="assistant" if is_first else None,
+                content=content if content or (is_first and not reasoning) else None,
+                reasoning_content=reasoning or None,
+                tool_calls=calls or None,
+            )
+            called = bool(self.stream.calls)
             choice = ChatCompletionChunkChoice(
                 delta=delta,
                 logprobs=self._logprobs(chunk.scored()),
-                finish_reason=chunk.finish_reason,
+                finish_reason=_reason(chunk.finish_reason, called),
             )
             yield ChatCompletionChunk(
                 id=self.id,
@@ -149,3 +183,18 @@ class ChatView(_View):
     def _top(self, token: int, logprob: float) -> TopLogprob:
         text = self.token_text(token)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def _call_out(id: str | None, name: str | None, arguments: str, index: int | None = None):
+    """A call as OpenAI writes it; in a stream the first piece has id, type and name."""
+    return ToolCallOut(
+        index=index,
+        id=id or None,
+        type="function" if name is not None else None,
+        function=FunctionCall(name=name, arguments=arguments),
+    )
+
+
+def _reason(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's `tool_calls` for an answer that ended by calling tools."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason

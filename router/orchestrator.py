@@ -39,6 +39,7 @@ from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_messages import DecodeRequest, PrefillResult, ReplicaStats, WorkerChunk
 from cluster.serving.stats_registry import registry
 from router.attempt import new_request_id, resume_of, retry_of
+from router.chat.chat_plan import chat_options
 from router.deadline import Deadline
 from router.generation_chunk import GenerationChunk
 from router.generation_service import ServedModel
@@ -74,6 +75,7 @@ class Orchestrator:
         self.info = info
         self.tokenizer = info.tokenizer
         self.prompts = PromptTokenizer(info.tokenizer, info.max_model_len)
+        self.chat_options = chat_options(config)
         self.prefill = prefill
         self.decode = decode
         self.colocated = colocated
@@ -154,9 +156,9 @@ class Orchestrator:
             label=request_id or "",
         )
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Render chat messages with the tokenizer's chat template, ready to generate."""
-        return await self.prompts.chat(messages)
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Render chat messages (and the tools offered) with the chat template, tokenized."""
+        return await self.prompts.chat(messages, tools)
 
     def _check_prompt_length(self, n: int) -> None:
         if n >= self.info.max_model_len:

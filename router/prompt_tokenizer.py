@@ -20,6 +20,7 @@ threads and the loop may use it at once.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -60,7 +61,7 @@ class PromptTokenizer:
             return encode(prompt, add_special_tokens=False)
         return await self._off_loop(lambda: encode(prompt, add_special_tokens=False))
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat messages rendered with the tokenizer's chat template (ready to generate),
         tokenized."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -70,6 +71,8 @@ class PromptTokenizer:
                 f"at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}", param="messages"
             )
         size = sum(self._checked_size(m["content"], "messages") for m in messages)
+        if tools:
+            size += self._checked_size(json.dumps(tools), "tools")
         if size > self.max_prompt_bytes:
             raise InvalidArgument(
                 f"the messages' contents are {size} bytes; this model's context of "
@@ -81,7 +84,7 @@ class PromptTokenizer:
         def render() -> str:
             try:
                 return self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True
                 )
             except Exception as e:  # a template error is the caller's malformed messages
                 raise InvalidArgument(f"cannot render messages: {e}", param="messages") from e

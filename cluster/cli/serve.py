@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from cluster.cli.chat_flags import add_chat_arguments, chat_fields
 from cluster.cli.engine_flags import (
     add_engine_arguments,
     check_model,
@@ -100,6 +101,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--demo", action="store_true", help="send one request once it is up")
     p.add_argument("--exit", action="store_true", help="shut down after deploying (and --demo)")
+    add_chat_arguments(p)
     _add_autoscaling_arguments(p)
 
 
@@ -269,6 +271,7 @@ def _config_from_flags(args: argparse.Namespace) -> AppConfig:
         model=model,
         mode=args.mode,
         stream_interval=args.stream_interval,
+        **chat_fields(args),
         prefill=replace(
             base.prefill,
             replicas=args.prefill_replicas,

@@ -242,6 +242,12 @@ class AppConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     default_max_tokens: int = 256
+    # Chat (vLLM's flags): the format tool calls are read in (`hermes`, `qwen3_coder`,
+    # `llama3_json`, `mistral`; router/chat), whether `tool_choice: auto` may use it, and the
+    # format reasoning is split out in (`qwen3`, `deepseek_r1`). "": none.
+    tool_call_parser: str = ""
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str = ""
     # Tokens per streamed message after the first, unless a request says (1: each at once).
     stream_interval: int = 1
     request_timeout_seconds: float = 300.0

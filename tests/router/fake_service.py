@@ -12,6 +12,7 @@ from dataclasses import replace
 from cluster.errors import InvalidArgument
 from cluster.request import Request, TokenLogprobs, check_request_id
 from cluster.sampling_params import SamplingParams
+from router.chat.chat_plan import ChatOptions
 from router.generation_chunk import GenerationChunk, Timing, Usage
 from router.generation_service import ServedModel
 
@@ -32,6 +33,8 @@ class FakeService:
 
     def __init__(self) -> None:
         self.model = ServedModel(MODEL, MODEL_ID, 128, 512, "float32", 16, "disaggregated")
+        self.chat_options = ChatOptions()
+        self.script: str | None = None  # set: the answer is this text, 3 characters a chunk
         self.refuse: BaseException | None = None
         self.fail_at: tuple[int, BaseException] | None = None
         self.hang_after_first = False
@@ -73,9 +76,9 @@ class FakeService:
         self.requests.append(request)
         return request
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
-        self.messages = messages
-        if any(m["role"] not in ("system", "user", "assistant") for m in messages):
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        self.messages, self.tools = messages, tools
+        if any(m["role"] not in ("system", "user", "assistant", "tool") for m in messages):
             raise InvalidArgument("cannot render messages: unknown role", param="messages")
         return [ord(c) % 100 for m in messages for c in f"{m['role']}: {m['content']}\n"]
 
@@ -85,6 +88,12 @@ class FakeService:
             if self.refuse is not None:
                 raise self.refuse
             params = request.params
+            if self.script is not None:
+                pieces = [self.script[i : i + 3] for i in range(0, len(self.script), 3)]
+                for i, piece in enumerate(pieces[:-1]):
+                    yield GenerationChunk(request.name, (i,), piece)
+                yield self._last(request, len(pieces), pieces[-1], "stop")
+                return
             for i in range(params.max_tokens):
                 if self.fail_at is not None and self.fail_at[0] == i:
                     raise self.fail_at[1]

@@ -1,0 +1,37 @@
+"""`pdserve serve`'s chat flags, by vLLM's names: which format tool calls and reasoning are
+read in (router/chat) and whether `tool_choice: auto` may read calls."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    chat = p.add_argument_group("chat (OpenAI tools and reasoning)")
+    chat.add_argument(
+        "--tool-call-parser",
+        default="",
+        metavar="NAME",
+        help="format the model writes tool calls in: hermes, qwen3_coder, llama3_json, mistral",
+    )
+    chat.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let `tool_choice: auto` (the default with tools) read calls with that parser",
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        default="",
+        metavar="NAME",
+        help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1",
+    )
+
+
+def chat_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The `AppConfig` fields the flags set."""
+    return {
+        "tool_call_parser": args.tool_call_parser,
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "reasoning_parser": args.reasoning_parser,
+    }

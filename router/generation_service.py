@@ -16,6 +16,7 @@ from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from router.chat.chat_plan import ChatOptions
 from router.generation_chunk import GenerationChunk
+from router.prompt_tokenizer import TemplateCall
 
 if TYPE_CHECKING:
     from router.pool_status import ClusterStats
@@ -61,7 +62,12 @@ class GenerationService(Protocol):
         prompt is tokenized off the event loop. `stream_interval` None: the server's."""
         ...
 
-    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def chat_prompt(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        template: TemplateCall | None = None,
+    ) -> list[int]:
         """Chat messages rendered with the model's chat template, tokenized; bounded in count
         and size before they are rendered (router/prompt_tokenizer.py)."""
         ...

@@ -49,6 +49,7 @@ from router.openai_protocol import (
     ModelList,
 )
 from router.openai_views import ChatView, CompletionView
+from router.prompt_tokenizer import TemplateCall
 
 if TYPE_CHECKING:
     from cluster.request import Request as GenerationRequest
@@ -107,7 +108,14 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         params = service.sampling_params(**fields)
         params.check_vocab(service.model.vocab_size)
         messages = [m.for_template() for m in body.messages]
-        prompt_token_ids = await service.chat_prompt(messages, plan.tools or None)
+        options = service.chat_options
+        template = TemplateCall(
+            {**options.template_kwargs, **(body.chat_template_kwargs or {})},
+            body.add_generation_prompt,
+            body.continue_final_message,
+            options.chat_template,
+        )
+        prompt_token_ids = await service.chat_prompt(messages, plan.tools or None, template)
         request = await service.build_request(None, prompt_token_ids, params)
         view = ChatView(
             f"chatcmpl-{request.request_id}", int(time.time()), model, service.token_text, plan

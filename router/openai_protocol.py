@@ -207,6 +207,9 @@ class ChatCompletionRequest(_SamplingBody, UnsupportedChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None

@@ -36,10 +36,7 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (),
     "logits_processors": (),
     "echo": (False,),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
 }
 
 
@@ -92,7 +89,4 @@ class UnsupportedChatFields(UnsupportedSamplingFields):
     prediction: Unsupported = None
     web_search_options: Unsupported = None
     echo: Unsupported = None
-    add_generation_prompt: Unsupported = None
-    continue_final_message: Unsupported = None
     chat_template: Unsupported = None
-    chat_template_kwargs: Unsupported = None

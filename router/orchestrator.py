@@ -75,6 +75,7 @@ class Orchestrator:
         self.info = info
         self.tokenizer = info.tokenizer
         self.prompts = PromptTokenizer(info.tokenizer, info.max_model_len)
+        self.chat_prompt = self.prompts.chat  # GenerationService.chat_prompt
         self.chat_options = chat_options(config)
         self.prefill = prefill
         self.decode = decode
@@ -155,10 +156,6 @@ class Orchestrator:
             stream_interval=stream_interval,
             label=request_id or "",
         )
-
-    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Render chat messages (and the tools offered) with the chat template, tokenized."""
-        return await self.prompts.chat(messages, tools)
 
     def _check_prompt_length(self, n: int) -> None:
         if n >= self.info.max_model_len:

@@ -23,6 +23,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from cluster.errors import InvalidArgument
@@ -33,6 +34,48 @@ MAX_BYTES_PER_TOKEN = 16
 INLINE_BYTES = 4096
 MAX_CHAT_MESSAGES = 4096
 TOKENIZER_THREADS = 2
+
+
+# Names the chat template call sets itself: a request's `chat_template_kwargs` may not.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "documents",
+        "tokenizer",
+    }
+)
+
+
+@dataclass(frozen=True)
+class TemplateCall:
+    """How one request renders its chat: extra template variables (`chat_template_kwargs`,
+    over the server's defaults, e.g. Qwen3's `enable_thinking`), whether to open the
+    assistant's turn, or to continue its last message instead; `template` is the server's
+    own template text (`--chat-template`), "" for the model's."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template: str = ""
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise InvalidArgument(
+                f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs"
+            )
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidArgument(
+                "continue_final_message continues the last message: it needs "
+                "add_generation_prompt false",
+                param="continue_final_message",
+            )
 
 
 class PromptTokenizer:
@@ -61,9 +104,15 @@ class PromptTokenizer:
             return encode(prompt, add_special_tokens=False)
         return await self._off_loop(lambda: encode(prompt, add_special_tokens=False))
 
-    async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Chat messages rendered with the tokenizer's chat template (ready to generate),
-        tokenized."""
+    async def chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        template: TemplateCall | None = None,
+    ) -> list[int]:
+        """Chat messages rendered with the chat template (the model's, or the server's
+        `--chat-template`) as `template` asks, tokenized."""
+        template = template or TemplateCall()
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidArgument("this model has no chat template", param="messages")
         if len(messages) > MAX_CHAT_MESSAGES:
@@ -73,6 +122,7 @@ class PromptTokenizer:
         size = sum(self._checked_size(m["content"], "messages") for m in messages)
         if tools:
             size += self._checked_size(json.dumps(tools), "tools")
+        size += self._checked_size(json.dumps(template.kwargs), "chat_template_kwargs")
         if size > self.max_prompt_bytes:
             raise InvalidArgument(
                 f"the messages' contents are {size} bytes; this model's context of "
@@ -84,7 +134,13 @@ class PromptTokenizer:
         def render() -> str:
             try:
                 return self.tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                    messages,
+                    tools=tools,
+                    chat_template=template.template or None,
+                    tokenize=False,
+                    add_generation_prompt=template.add_generation_prompt,
+                    continue_final_message=template.continue_final_message,
+                    **template.kwargs,
                 )
             except Exception as e:  # a template error is the caller's malformed messages
                 raise InvalidArgument(f"cannot render messages: {e}", param="messages") from e

@@ -4,6 +4,7 @@ read in (router/chat) and whether `tool_choice: auto` may read calls."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 
@@ -26,6 +27,19 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1",
     )
+    chat.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the model's",
+    )
+    chat.add_argument(
+        "--default-chat-template-kwargs",
+        default="",
+        metavar="JSON",
+        help="template variables for every request that does not set them, e.g. "
+        "'{\"enable_thinking\": false}'",
+    )
 
 
 def chat_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -34,4 +48,6 @@ def chat_fields(args: argparse.Namespace) -> dict[str, Any]:
         "tool_call_parser": args.tool_call_parser,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "reasoning_parser": args.reasoning_parser,
+        "chat_template": args.chat_template.read_text() if args.chat_template else "",
+        "default_chat_template_kwargs": args.default_chat_template_kwargs,
     }

@@ -7,6 +7,7 @@ deploy` files and from the CLI; `app_config_schema` is that dict's JSON schema.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from dataclasses import dataclass, field, fields, replace
@@ -248,6 +249,11 @@ class AppConfig:
     tool_call_parser: str = ""
     enable_auto_tool_choice: bool = False
     reasoning_parser: str = ""
+    # The chat template's text (`--chat-template FILE`), "" for the model's own; template
+    # variables every request gets unless it sets them (a JSON object, e.g.
+    # '{"enable_thinking": false}').
+    chat_template: str = ""
+    default_chat_template_kwargs: str = ""
     # Tokens per streamed message after the first, unless a request says (1: each at once).
     stream_interval: int = 1
     request_timeout_seconds: float = 300.0
@@ -263,6 +269,8 @@ class AppConfig:
         # Cross-pool contract: both pools must lay out KV blocks the same way.
         if self.prefill.cache.block_size != self.decode.cache.block_size:
             raise ConfigError("prefill and decode pools must use the same KV block_size")
+        if self.default_chat_template_kwargs:
+            _json_object(self.default_chat_template_kwargs, "default_chat_template_kwargs")
         if self.default_max_tokens <= 0 or self.request_timeout_seconds <= 0:
             raise ConfigError("default_max_tokens and request_timeout_seconds must be > 0")
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
@@ -375,3 +383,12 @@ def app_config_schema() -> dict[str, Any]:
         "fields: docs/configuration.md"
     )
     return schema
+
+
+def _json_object(text: str, name: str) -> None:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a JSON object, got {type(value).__name__}")

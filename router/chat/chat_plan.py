@@ -12,7 +12,7 @@ constrained to that function's parameters, and is its one call).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.errors import InvalidArgument
@@ -32,12 +32,18 @@ class ChatOptions:
     tool_call_parser: str = ""
     enable_auto_tool_choice: bool = False
     reasoning_parser: str = ""
+    chat_template: str = ""  # the server's template text (`--chat-template`); "": the model's
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # defaults for every request
 
 
 def chat_options(config: Any) -> ChatOptions:
     """The app's chat settings (`AppConfig`), their parser names checked."""
     options = ChatOptions(
-        config.tool_call_parser, config.enable_auto_tool_choice, config.reasoning_parser
+        config.tool_call_parser,
+        config.enable_auto_tool_choice,
+        config.reasoning_parser,
+        config.chat_template,
+        json.loads(config.default_chat_template_kwargs or "{}"),
     )
     if options.tool_call_parser:
         tool_parser(options.tool_call_parser)  # raises, listing the known names

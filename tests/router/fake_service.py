@@ -76,8 +76,8 @@ class FakeService:
         self.requests.append(request)
         return request
 
-    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        self.messages, self.tools = messages, tools
+    async def chat_prompt(self, messages: list[dict], tools=None, template=None) -> list[int]:
+        self.messages, self.tools, self.template = messages, tools, template
         if any(m["role"] not in ("system", "user", "assistant", "tool") for m in messages):
             raise InvalidArgument("cannot render messages: unknown role", param="messages")
         return [ord(c) % 100 for m in messages for c in f"{m['role']}: {m['content']}\n"]

@@ -135,16 +135,21 @@ def test_generate_local_decides_device_and_dtype_as_serve_does(monkeypatch, cuda
     assert (serve.device, serve.dtype) == (args.device, args.dtype)  # the same flags
 
 
-def test_serves_chat_flags_reach_the_app_config():
+def test_serves_chat_flags_reach_the_app_config(tmp_path):
     from cluster.cli.serve import _config_from_flags
 
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
     flags = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    flags += ["--chat-template", str(template), "--default-chat-template-kwargs", '{"a": 1}']
     args = build_parser().parse_args(
         ["serve", "--model", "/m", *flags, "--reasoning-parser", "qwen3"]
     )
     config = _config_from_flags(args)
     assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("hermes", True)
     assert config.reasoning_parser == "qwen3"
+    assert config.chat_template == template.read_text()
+    assert config.default_chat_template_kwargs == '{"a": 1}'
     plain = _config_from_flags(build_parser().parse_args(["serve", "--model", "/m"]))
     assert (plain.tool_call_parser, plain.enable_auto_tool_choice, plain.reasoning_parser) == (
         "",

@@ -9,16 +9,19 @@ import pytest
 from router.chat.chat_plan import ChatOptions, chat_options
 
 
-def _config(tool="", auto=False, reasoning=""):
+def _config(tool="", auto=False, reasoning="", kwargs=""):
     return SimpleNamespace(
-        tool_call_parser=tool, enable_auto_tool_choice=auto, reasoning_parser=reasoning
+        tool_call_parser=tool,
+        enable_auto_tool_choice=auto,
+        reasoning_parser=reasoning,
+        chat_template="",
+        default_chat_template_kwargs=kwargs,
     )
 
 
 def test_known_parsers_are_taken():
-    assert chat_options(_config("mistral", True, "deepseek_r1")) == ChatOptions(
-        "mistral", True, "deepseek_r1"
-    )
+    options = chat_options(_config("mistral", True, "deepseek_r1", '{"enable_thinking": false}'))
+    assert options == ChatOptions("mistral", True, "deepseek_r1", "", {"enable_thinking": False})
 
 
 @pytest.mark.parametrize(("tool", "reasoning"), [("nope", ""), ("", "nope")])

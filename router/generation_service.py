@@ -72,6 +72,14 @@ class GenerationService(Protocol):
         and size before they are rendered (router/prompt_tokenizer.py)."""
         ...
 
+    async def tokenize(self, prompt: str) -> list[int]:
+        """A prompt's token ids, under the same bounds as a generation's."""
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (ids in the vocabulary)."""
+        ...
+
     def token_text(self, token_id: int) -> str:
         """A token's own text (for logprobs)."""
         ...

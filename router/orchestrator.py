@@ -76,6 +76,7 @@ class Orchestrator:
         self.tokenizer = info.tokenizer
         self.prompts = PromptTokenizer(info.tokenizer, info.max_model_len)
         self.chat_prompt = self.prompts.chat  # GenerationService.chat_prompt
+        self.tokenize = self.prompts.encode
         self.chat_options = chat_options(config)
         self.prefill = prefill
         self.decode = decode
@@ -98,6 +99,11 @@ class Orchestrator:
             self._prefill_endpoints,
         )
         self._registry = None  # the stats registry actor, looked up on first use
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise InvalidArgument("this model has no tokenizer", param="tokens")
+        return self.tokenizer.decode(token_ids)
 
     def token_text(self, token_id: int) -> str:
         """A token's own text, for logprobs (`token_id:N` for a checkpoint without tokenizer)."""

@@ -30,6 +30,7 @@ from router.direct import GrpcServer, service_methods
 from router.endpoint_reporter import EndpointReporter
 from router.grpc_api import generate_responses, model_info_to_proto, stats_to_proto
 from router.openai_api import install_error_handlers, openai_routes
+from router.openai_tokenize import tokenizer_routes
 from router.orchestrator import Orchestrator
 from router.token_stream import TokenStreamServer
 
@@ -69,6 +70,7 @@ class Router:
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="pdserve", version="1")
         app.include_router(openai_routes(lambda: self.orch))
+        app.include_router(tokenizer_routes(lambda: self.orch))
         install_error_handlers(app)
         limit = body_limit_bytes(self.orch.prompts.max_prompt_bytes)
         app.add_middleware(BodyLimit, limit=limit)

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from router.openai_api import install_error_handlers, openai_routes
+from router.openai_tokenize import tokenizer_routes
 from tests.router.fake_service import FakeService
 
 
@@ -21,6 +22,7 @@ def fake() -> FakeService:
 def app(fake: FakeService) -> FastAPI:
     app = FastAPI()
     app.include_router(openai_routes(lambda: fake))
+    app.include_router(tokenizer_routes(lambda: fake))
     install_error_handlers(app)
     return app
 

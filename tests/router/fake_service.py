@@ -44,6 +44,12 @@ class FakeService:
         self.messages: list[dict] | None = None
         self.opened = self.closed = 0
 
+    async def tokenize(self, prompt: str) -> list[int]:
+        return [ord(c) % 100 for c in prompt]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return "".join(chr(t + 32) for t in token_ids)
+
     def token_text(self, token_id: int) -> str:
         return f" t{token_id}"
 

@@ -42,7 +42,7 @@ def test_a_required_tool_call_round_trip(apps):
             messages=messages,
             tools=[WEATHER],
             tool_choice="required",
-            max_tokens=64,
+            max_tokens=400,
             temperature=1.0,
             seed=seed,
         ).choices[0]

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class ServedModel:
     """The model this app serves, as `GetModelInfo` and `GET /v1/models` describe it."""
 
-    name: str  # the checkpoint directory's name
+    name: str  # the served name: `served_name`, else the hub id or the directory's name
     model_id: str
     max_context_length: int
     vocab_size: int

@@ -18,6 +18,8 @@ import argparse
 import asyncio
 import math
 import sys
+import time
+from pathlib import Path
 
 from cluster.cli.bench_run import (
     OPENAI_VOCAB_SIZE,
@@ -31,7 +33,7 @@ from cluster.cli.bench_run import (
 from cluster.cli.version import package_version
 from cluster.client.bench_plots import missing_extra, write_plots
 from cluster.client.bench_result import bench_document, strict_json
-from cluster.client.bench_summary import PHASES, BenchSummary, Goodput
+from cluster.client.bench_summary import METRICS, PHASES, BenchSummary, Goodput
 from cluster.client.load_generator import run_workload
 from cluster.client.phase_model import PhaseModel, probe_workload
 from cluster.client.workload import TRACES, TraceScale, Workload, synthetic_workload
@@ -105,11 +107,26 @@ def _workload_arguments(w) -> None:
         default=TraceScale.time,
         help="trace clock times this (2 = half the request rate)",
     )
-    w.add_argument("--num-requests", type=int, default=16, help="synthetic: requests to send")
-    w.add_argument("--input-len", type=int, default=128, help="synthetic: prompt tokens")
-    w.add_argument("--output-len", type=int, default=32, help="synthetic: output tokens")
+    # Each under vllm bench serve's name too (--num-prompts, --random-input-len, ...).
+    w.add_argument("--num-requests", "--num-prompts", type=int, default=16, help="requests to send")
     w.add_argument(
-        "--rate", type=float, default=math.inf, help="requests/s, Poisson (default: all at once)"
+        "--input-len", "--random-input-len", type=int, default=128, help="synthetic: prompt tokens"
+    )
+    w.add_argument(
+        "--output-len", "--random-output-len", type=int, default=32, help="synthetic: output tokens"
+    )
+    w.add_argument(
+        "--dataset-name",
+        choices=("random",),
+        default="random",
+        help="vllm bench serve's synthetic dataset; a trace is --trace",
+    )
+    w.add_argument(
+        "--rate",
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s, Poisson (default: all at once)",
     )
     w.add_argument(
         "--seed",
@@ -162,6 +179,28 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         "(default: none)",
     )
     r.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el",
+        help="latencies whose percentiles the JSON result reports (vllm bench serve's)",
+    )
+    r.add_argument(
+        "--metric-percentiles",
+        default="50,90,99",
+        help="percentiles to report, comma-separated (vllm bench serve's)",
+    )
+    r.add_argument(
+        "--result-dir",
+        default=None,
+        metavar="DIR",
+        help="write the JSON result (vllm bench serve's keys) into DIR",
+    )
+    r.add_argument(
+        "--result-filename",
+        default=None,
+        metavar="NAME",
+        help="its file name (default: pdserve-<backend>-<rate>qps-<time>.json)",
+    )
+    r.add_argument(
         "--save-detailed",
         default=None,
         metavar="FILE",
@@ -183,13 +222,18 @@ def bench_main(args: argparse.Namespace) -> int:
         raise SystemExit(hint)
     try:
         goodput = Goodput.parse(args.goodput) if args.goodput else None
+        shown = percentile_options(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     server, workload = setup(args)
     detailed = bool(args.save_detailed or args.plot)
     records, replicas = replay(args, server, workload, sample=detailed)
-    summary = BenchSummary.of(records, goodput)
+    summary = BenchSummary.of(records, goodput, *shown)
     meta = metadata(args, server, workload, package_version(), goodput)
+    if args.result_dir or args.result_filename:
+        path = result_path(args)
+        write_text(str(path), strict_json(bench_document(meta, summary)) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
     if args.save_detailed:
         doc = bench_document(meta, summary, records, replicas)
         write_text(args.save_detailed, strict_json(doc) + "\n")
@@ -289,3 +333,28 @@ def _warm_up(args: argparse.Namespace, vocab_size: int) -> None:
             args.target, warm, args.application, timeout_s=args.timeout, direct=args.direct
         )
     )
+
+
+def percentile_options(args: argparse.Namespace) -> tuple[tuple[float, ...], tuple[str, ...]]:
+    """`--metric-percentiles` and `--percentile-metrics`, checked."""
+    try:
+        pcts = tuple(float(p) for p in args.metric_percentiles.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--metric-percentiles: numbers, got {args.metric_percentiles!r}"
+        ) from None
+    if not all(0 < p <= 100 for p in pcts):
+        raise ValueError("--metric-percentiles must lie in (0, 100]")
+    metrics = tuple(m.strip() for m in args.percentile_metrics.split(","))
+    unknown = sorted(set(metrics) - set(METRICS))
+    if unknown:
+        raise ValueError(f"--percentile-metrics: unknown {unknown}; known: {list(METRICS)}")
+    return pcts, metrics
+
+
+def result_path(args: argparse.Namespace) -> Path:
+    rate = "inf" if math.isinf(args.rate) else f"{args.rate:g}"
+    name = args.result_filename or (
+        f"pdserve-{args.backend}-{rate}qps-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    return Path(args.result_dir or ".") / name

@@ -65,7 +65,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     local = p.add_argument_group("--local only")
     local.add_argument(
-        "--model", default=None, help="checkpoint directory or hub id (default: the embedded tiny model)"
+        "--model",
+        default=None,
+        help="checkpoint directory or hub id (default: the embedded tiny model)",
     )
     add_device_arguments(local)
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from cluster.client.load_generator import RequestRecord
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES: tuple[float, ...] = (50, 90, 99)
+METRICS = ("ttft", "tpot", "itl", "e2el")  # the latencies `vllm bench serve` can report
 # Where a request's end-to-end time, as the client saw it, goes. "proxy": the client's time
 # outside the router's account (Serve's gRPC proxy, both ways, and the network); then the
 # server's `timing`: before the first token, queue + prefill + routing (the rest of the
@@ -60,11 +61,11 @@ class Distribution:
     std: float = math.nan
 
     @staticmethod
-    def of(xs: list[float]) -> Distribution:
+    def of(xs: list[float], percentiles: tuple[float, ...] = PERCENTILES) -> Distribution:
         return Distribution(
             len(xs),
             statistics.fmean(xs) if xs else math.nan,
-            {p: percentile(xs, p) for p in PERCENTILES},
+            {p: percentile(xs, p) for p in (*percentiles, 50)},
             statistics.pstdev(xs) if xs else math.nan,
         )
 
@@ -75,7 +76,7 @@ class Distribution:
             f"mean_{metric}_ms": self.mean * 1e3,
             f"median_{metric}_ms": self.pct[50] * 1e3,
             f"std_{metric}_ms": self.std * 1e3,
-            **{f"p{p}_{metric}_ms": v * 1e3 for p, v in self.pct.items()},
+            **{f"p{_pname(p)}_{metric}_ms": v * 1e3 for p, v in self.pct.items()},
         }
 
 
@@ -153,8 +154,16 @@ class BenchSummary:
     slo_met: int | None = None  # requests that met every SLO of `goodput`
     max_concurrent: int = 0  # requests in flight at once, at most
 
+    percentiles: tuple[float, ...] = PERCENTILES  # reported (`--metric-percentiles`)
+    metrics_shown: tuple[str, ...] = METRICS  # latencies in the JSON (`--percentile-metrics`)
+
     @staticmethod
-    def of(records: list[RequestRecord], goodput: Goodput | None = None) -> BenchSummary:
+    def of(
+        records: list[RequestRecord],
+        goodput: Goodput | None = None,
+        percentiles: tuple[float, ...] = PERCENTILES,
+        metrics_shown: tuple[str, ...] = METRICS,
+    ) -> BenchSummary:
         done = [r for r in records if r.ok]
         if done:
             began = min(r.sent_s for r in records)
@@ -172,10 +181,10 @@ class BenchSummary:
             output_tokens=sum(r.output_tokens for r in done),
             cached_prompt_tokens=sum(r.cached_prompt_tokens for r in done),
             reusable_tokens=sum(r.reusable_tokens for r in done),
-            ttft=Distribution.of([r.ttft_s for r in done]),
-            tpot=Distribution.of([r.tpot_s for r in done if r.tpot_s is not None]),
-            itl=Distribution.of([g for r in done for g in r.itl_s]),
-            e2e=Distribution.of([r.e2e_s for r in done]),
+            ttft=Distribution.of([r.ttft_s for r in done], percentiles),
+            tpot=Distribution.of([r.tpot_s for r in done if r.tpot_s is not None], percentiles),
+            itl=Distribution.of([g for r in done for g in r.itl_s], percentiles),
+            e2e=Distribution.of([r.e2e_s for r in done], percentiles),
             phase_mean_s={
                 k: statistics.fmean(p[k] for p in phases) if phases else math.nan for k in PHASES
             },
@@ -183,6 +192,8 @@ class BenchSummary:
             decode_replicas=dict(Counter(r.timing.decode_replica for r in done if r.timing)),
             slo_met=slo_met,
             max_concurrent=_max_concurrent(done),
+            percentiles=percentiles,
+            metrics_shown=metrics_shown,
         )
 
     @property
@@ -221,10 +232,13 @@ class BenchSummary:
             "output_throughput": self.output_throughput,
             "total_token_throughput": (self.prompt_tokens + self.output_tokens) / self.duration_s,
             "max_concurrent_requests": self.max_concurrent,
-            **self.ttft.vllm_ms("ttft"),
-            **self.tpot.vllm_ms("tpot"),
-            **self.itl.vllm_ms("itl"),
-            **self.e2e.vllm_ms("e2el"),
+            **{
+                k: v
+                for metric, d in (("ttft", self.ttft), ("tpot", self.tpot), ("itl", self.itl))
+                + (("e2el", self.e2e),)
+                if metric in self.metrics_shown
+                for k, v in d.vllm_ms(metric).items()
+            },
             "num_prompts": self.requests,
             "failures": self.failures,
             "slo_met": self.slo_met,
@@ -261,15 +275,16 @@ class BenchSummary:
                 f"({_share(self.slo_met, self.requests)}), "
                 f"goodput {self.slo_met / self.duration_s:.2f} requests/s"
             )
-        pcts = " | ".join(f"p{p}" for p in PERCENTILES)
-        lines += ["", f"| latency (ms) | mean | {pcts} |", "|---|---|" + "---|" * len(PERCENTILES)]
+        shown = self.percentiles
+        pcts = " | ".join(f"p{_pname(p)}" for p in shown)
+        lines += ["", f"| latency (ms) | mean | {pcts} |", "|---|---|" + "---|" * len(shown)]
         for name, d in (
             ("time to first token", self.ttft),
             ("time per output token", self.tpot),
             ("inter-token latency", self.itl),
             ("end to end", self.e2e),
         ):
-            cells = " | ".join(f"{d.pct[p] * 1e3:.1f}" for p in PERCENTILES)
+            cells = " | ".join(f"{d.pct[p] * 1e3:.1f}" for p in shown)
             lines.append(f"| {name} | {d.mean * 1e3:.1f} | {cells} |")
         return lines + self._render_phases() if self.has_phases else lines
 
@@ -287,6 +302,11 @@ class BenchSummary:
             + PHASE_HINTS[self.dominant_phase]
         )
         return lines
+
+
+def _pname(p: float) -> str:
+    """A percentile as vLLM names it in its keys: 99 -> "99", 99.9 -> "99.9"."""
+    return f"{p:g}"
 
 
 def _max_concurrent(done: list[RequestRecord]) -> int:

@@ -108,3 +108,31 @@ def test_the_mooncake_trace_ships_with_pdserve():
     entries = load_trace("mooncake")
     assert len(entries) == 3993 and entries[0].input_length == 40160
     assert load_trace("mooncake", 60, 3800)[0].timestamp_ms == 975398.0
+
+
+def test_vllm_bench_serve_flag_names_work_and_write_its_result_file(capsys, tmp_path):
+    """`pdserve bench --num-prompts 8 --request-rate 2 --dataset-name random` as vLLM's."""
+    with fake_openai_server() as (url, _):
+        assert main(["bench", "--backend", "openai", "--base-url", url, "--num-prompts", "8",
+                     "--request-rate", "2", "--dataset-name", "random", "--random-input-len",
+                     "16", "--random-output-len", "3", "--percentile-metrics", "ttft,e2el",
+                     "--metric-percentiles", "25,99.9", "--result-dir", str(tmp_path),
+                     "--result-filename", "r.json", "--no-progress"]) == 0  # fmt: skip
+    doc = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert (doc["completed"], doc["num_prompts"], doc["total_input_tokens"]) == (8, 8, 128)
+    assert {"p25_ttft_ms", "p99.9_ttft_ms", "median_ttft_ms", "p99.9_e2el_ms"} <= set(doc)
+    assert not any(k.endswith(("_itl_ms", "_tpot_ms")) for k in doc)  # not asked for
+    assert "| p25 | p99.9 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--metric-percentiles", "50,x"], "--metric-percentiles"),
+        (["--metric-percentiles", "0"], "(0, 100]"),
+        (["--percentile-metrics", "ttft,foo"], "unknown ['foo']"),
+    ],
+)
+def test_bad_percentile_options_are_refused(args, message):
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("(", r"\(")):
+        main(["bench", "--target", "127.0.0.1:1", *args])

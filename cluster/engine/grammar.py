@@ -2,7 +2,7 @@
 
 xgrammar was kept over llguidance by a CPU measurement: filling one row's mask for a JSON
 schema cost it a fraction of llguidance's at both vocabulary sizes tried, and the mask is paid
-every step, the compile once (the figures are in the structured-output benchmark report).
+every step, the compile once (docs/findings.md, structured output).
 
 One `GrammarCompiler` per engine (per tokenizer) compiles each distinct constraint; each
 constrained sequence holds a `GrammarState`, a matcher fed every output token. The state never

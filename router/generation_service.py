@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cluster.model.info import generation_defaults
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from router.chat.chat_plan import ChatOptions
@@ -33,11 +35,37 @@ class ServedModel:
     dtype: str
     block_size: int
     mode: str  # "disaggregated" or "colocated"
+    # what a request that leaves a sampling setting unset gets (`--generation-config`)
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
     @property
     def names(self) -> tuple[str, str]:
         """What a request may call the model: its name or its id."""
         return (self.name, self.model_id)
+
+
+def served_model(config: Any, info: Any) -> ServedModel:
+    """The `ServedModel` of an app (`AppConfig`) serving `info`'s checkpoint."""
+    return ServedModel(
+        name=config.model.served_name,
+        model_id=info.model_id,
+        max_context_length=info.max_model_len,
+        vocab_size=info.spec.vocab_size,
+        dtype=config.model.dtype,
+        block_size=config.prefill.cache.block_size,
+        mode=config.mode,
+        sampling_defaults=sampling_defaults(config.generation_config, info),
+    )
+
+
+def sampling_defaults(source: str, info: Any) -> tuple[tuple[str, float], ...]:
+    """`--generation-config`: "auto" the checkpoint's (`ModelInfo.sampling_defaults`), "vllm"
+    none, else the generation_config.json of that directory."""
+    if source == "auto":
+        return info.sampling_defaults
+    if source == "vllm":
+        return ()
+    return generation_defaults(Path(source))
 
 
 class GenerationService(Protocol):

@@ -116,6 +116,7 @@ def model_info_to_proto(model: ServedModel) -> pb.ModelInfo:
         dtype=model.dtype,
         block_size=model.block_size,
         mode=model.mode,
+        sampling_defaults=dict(model.sampling_defaults),
     )
 
 

@@ -75,7 +75,12 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
     @router.get("/v1/models", response_model=ModelList)
     async def models() -> Response:
         model = get_service().model
-        card = ModelCard(id=model.name, created=started, max_model_len=model.max_context_length)
+        card = ModelCard(
+            id=model.name,
+            created=started,
+            max_model_len=model.max_context_length,
+            sampling_defaults=dict(model.sampling_defaults) or None,
+        )
         return _json(ModelList(data=[card]))
 
     @router.post("/v1/completions", response_model=CompletionResponse)

@@ -362,6 +362,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pdserve"
     max_model_len: int
+    sampling_defaults: dict[str, float] | None = _omitted_when_none()  # --generation-config
 
 
 class ModelList(BaseModel):

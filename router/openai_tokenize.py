@@ -75,8 +75,13 @@ def tokenizer_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
     async def model(model_id: str) -> Response:
         served = get_service().model
         _check_model(get_service(), model_id)
-        card = ModelCard(id=served.name, created=started, max_model_len=served.max_context_length)
-        return JSONResponse(card.model_dump())
+        card = ModelCard(
+            id=served.name,
+            created=started,
+            max_model_len=served.max_context_length,
+            sampling_defaults=dict(served.sampling_defaults) or None,
+        )
+        return JSONResponse(card.model_dump(exclude_none=True))
 
     return router
 

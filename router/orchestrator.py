@@ -42,7 +42,7 @@ from router.attempt import new_request_id, resume_of, retry_of
 from router.chat.chat_plan import chat_options
 from router.deadline import Deadline
 from router.generation_chunk import GenerationChunk
-from router.generation_service import ServedModel
+from router.generation_service import served_model
 from router.lease_releases import LeaseReleases
 from router.pool_status import ClusterStats, kv_transport, pool_statuses
 from router.prompt_tokenizer import PromptTokenizer
@@ -84,15 +84,7 @@ class Orchestrator:
         self.tokens = tokens
         self.metrics = metrics
         self.app_name = app_name
-        self.model = ServedModel(
-            name=config.model.served_name,
-            model_id=info.model_id,
-            max_context_length=info.max_model_len,
-            vocab_size=info.spec.vocab_size,
-            dtype=config.model.dtype,
-            block_size=config.prefill.cache.block_size,
-            mode=config.mode,
-        )
+        self.model = served_model(config, info)
         self.leases = LeaseReleases(
             KVControl(config.transfer.max_chunk_bytes, config.transfer.fetch_timeout_seconds),
             Capability(bytes.fromhex(config.transfer.secret)),
@@ -116,7 +108,10 @@ class Orchestrator:
     def sampling_params(self, max_tokens: int | None = None, **fields) -> SamplingParams:
         """Fill server defaults; an unseeded random request gets a seed here, so a retried
         hop reproduces the tokens the client already has."""
-        fields = {k: v for k, v in fields.items() if v is not None}
+        fields = {
+            **dict(self.model.sampling_defaults),
+            **{k: v for k, v in fields.items() if v is not None},
+        }
         params = SamplingParams(
             max_tokens=self.config.default_max_tokens if max_tokens is None else max_tokens,
             **fields,

@@ -9,6 +9,7 @@ from typing import Any
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    add_generation_config_argument(p)
     chat = p.add_argument_group("chat (OpenAI tools and reasoning)")
     chat.add_argument(
         "--tool-call-parser",
@@ -42,6 +43,16 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_generation_config_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for requests that leave them unset: the checkpoint's "
+        "generation_config.json (auto), none (vllm), or that directory's",
+    )
+
+
 def chat_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The `AppConfig` fields the flags set."""
     return {
@@ -50,4 +61,5 @@ def chat_fields(args: argparse.Namespace) -> dict[str, Any]:
         "reasoning_parser": args.reasoning_parser,
         "chat_template": args.chat_template.read_text() if args.chat_template else "",
         "default_chat_template_kwargs": args.default_chat_template_kwargs,
+        "generation_config": args.generation_config,
     }

@@ -93,6 +93,8 @@ class ModelInfo:
     model_id: str  # checkpoint name plus a digest of its config and weight headers
     eos_token_ids: frozenset[int]
     max_model_len: int
+    # The sampling settings of the checkpoint's generation_config.json (`generation_defaults`)
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
     def check_request(self, ids: tuple[int, ...] | list[int], params: SamplingParams) -> None:
         """Refuse, naming the field, a prompt or parameters this model cannot serve. The router
@@ -150,6 +152,27 @@ def describe_model(config: ModelConfig) -> ModelInfo:
         model_id=f"{name}@{_digest(path, weight_files(path))}",
         eos_token_ids=_eos_ids(hf_config, path),
         max_model_len=min(limit, spec.max_position_embeddings),
+        sampling_defaults=generation_defaults(path),
+    )
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(folder: Path) -> tuple[tuple[str, float], ...]:
+    """The sampling settings `folder`'s generation_config.json names (as vLLM's
+    `--generation-config auto` reads them): requests that leave one unset get it."""
+    gen = folder / "generation_config.json"
+    if not gen.is_file():
+        return ()
+    try:
+        doc = json.loads(gen.read_text())
+    except ValueError as e:
+        raise InvalidArgument(f"{gen} is not JSON: {e}") from None
+    return tuple(
+        (k, doc[k])
+        for k in SAMPLING_KEYS
+        if isinstance(doc.get(k), int | float) and not isinstance(doc.get(k), bool)
     )
 
 

@@ -254,6 +254,10 @@ class AppConfig:
     # '{"enable_thinking": false}').
     chat_template: str = ""
     default_chat_template_kwargs: str = ""
+    # Sampling defaults for requests that leave a setting unset (vLLM's --generation-config):
+    # "auto" = the checkpoint's generation_config.json, "vllm" = none (SamplingParams'
+    # own), or a directory holding a generation_config.json.
+    generation_config: str = "auto"
     # Tokens per streamed message after the first, unless a request says (1: each at once).
     stream_interval: int = 1
     request_timeout_seconds: float = 300.0

@@ -142,6 +142,7 @@ def test_serves_chat_flags_reach_the_app_config(tmp_path):
     template.write_text("{{ messages[0]['content'] }}")
     flags = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
     flags += ["--chat-template", str(template), "--default-chat-template-kwargs", '{"a": 1}']
+    flags += ["--generation-config", "vllm"]
     args = build_parser().parse_args(
         ["serve", "--model", "/m", *flags, "--reasoning-parser", "qwen3"]
     )
@@ -150,6 +151,7 @@ def test_serves_chat_flags_reach_the_app_config(tmp_path):
     assert config.reasoning_parser == "qwen3"
     assert config.chat_template == template.read_text()
     assert config.default_chat_template_kwargs == '{"a": 1}'
+    assert config.generation_config == "vllm"
     plain = _config_from_flags(build_parser().parse_args(["serve", "--model", "/m"]))
     assert (plain.tool_call_parser, plain.enable_auto_tool_choice, plain.reasoning_parser) == (
         "",

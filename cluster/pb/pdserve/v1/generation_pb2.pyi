@@ -144,20 +144,29 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "max_context_length", "vocab_size", "dtype", "block_size", "mode")
+    __slots__ = ("model_id", "max_context_length", "vocab_size", "dtype", "block_size", "mode", "sampling_defaults")
+    class SamplingDefaultsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     max_context_length: int
     vocab_size: int
     dtype: str
     block_size: int
     mode: str
-    def __init__(self, model_id: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+    sampling_defaults: _containers.ScalarMap[str, float]
+    def __init__(self, model_id: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., mode: _Optional[str] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -192,7 +192,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         "--result-dir",
         default=None,
         metavar="DIR",
-        help="write the JSON result (vllm bench serve's keys) into DIR",
+        help="write the JSON result (vllm bench serve's keys) into DIR (default: none)",
     )
     r.add_argument(
         "--result-filename",

@@ -32,7 +32,7 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
         "--chat-template",
         type=Path,
         metavar="FILE",
-        help="a Jinja chat template to use instead of the model's",
+        help="a Jinja chat template to use instead of the model's (default: the model's)",
     )
     chat.add_argument(
         "--default-chat-template-kwargs",

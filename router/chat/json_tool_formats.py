@@ -30,6 +30,21 @@ def _object_at(text: str, pos: int) -> tuple[dict[str, Any], int] | None:
     return (obj, end) if isinstance(obj, dict) else None
 
 
+def _listed_calls(region: str, pos: int, separator: str) -> list[ToolCall]:
+    """The calls written as JSON objects from `pos` on, `separator` between them."""
+    out = []
+    while True:
+        found = _object_at(region, _skip_space(region, pos))
+        call = _call(found[0]) if found else None
+        if call is None:
+            return out
+        out.append(call)
+        pos = _skip_space(region, found[1])
+        if not region.startswith(separator, pos):
+            return out
+        pos += 1
+
+
 def _call(obj: dict[str, Any]) -> ToolCall | None:
     name = obj.get("name")
     if not isinstance(name, str):
@@ -54,18 +69,7 @@ class Llama3JsonParser(ToolParser):
 
     def calls(self, region: str, final: bool) -> list[ToolCall]:
         pos = len(self.markers[0]) if region.startswith(self.markers[0]) else 0
-        out = []
-        while True:
-            pos = _skip_space(region, pos)
-            found = _object_at(region, pos)
-            call = _call(found[0]) if found else None
-            if call is None:
-                return out
-            out.append(call)
-            pos = _skip_space(region, found[1])
-            if not region.startswith(";", pos):
-                return out
-            pos += 1
+        return _listed_calls(region, pos, ";")
 
 
 def _mistral_id() -> str:
@@ -83,23 +87,10 @@ class MistralParser(ToolParser):
     def calls(self, region: str, final: bool) -> list[ToolCall]:
         pos = _skip_space(region, len(self.markers[0]))
         if region.startswith("[", pos):
-            found = self._listed(region, pos + 1)
+            found = _listed_calls(region, pos + 1, ",")
         else:
             found = self._named(region, pos)
         return [ToolCall(c.name, c.arguments, _mistral_id()) for c in found]
-
-    def _listed(self, region: str, pos: int) -> list[ToolCall]:
-        out = []
-        while True:
-            found = _object_at(region, _skip_space(region, pos))
-            call = _call(found[0]) if found else None
-            if call is None:
-                return out
-            out.append(call)
-            pos = _skip_space(region, found[1])
-            if not region.startswith(",", pos):
-                return out
-            pos += 1
 
     def _named(self, region: str, pos: int) -> list[ToolCall]:
         out = []

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster.errors import NotFound
+from cluster.kv_transfer.kv_control import KVControl
 from cluster.request import Request
 from prefill_worker.cancelled_ids import CancelledIds
 from prefill_worker.prefill_worker import PrefillWorker
@@ -22,9 +23,10 @@ def test_a_request_that_arrives_after_its_cancel_is_dropped_and_never_leased(
     async def main() -> None:
         async with pair(llama_dir) as p:
             cap = p.leases.capability
+            control = KVControl(1 << 20, 30.0)  # the router's side of CancelPrefill
 
             async def cancel(rid: str) -> bool:
-                return await p.client.cancel_prefill(p.endpoint, rid, cap.cancel_token(rid))
+                return await control.cancel_prefill(p.endpoint, rid, cap.cancel_token(rid))
 
             assert not await cancel("early")  # nothing to cancel yet: remembered
             worker = types.SimpleNamespace(draining=False, leases=p.leases, engine=p.prefill)
@@ -49,6 +51,7 @@ def test_a_request_that_arrives_after_its_cancel_is_dropped_and_never_leased(
             handle = await p.prefill_handle("other", prompt(20, 3))
             assert p.leases.granted == 1
             assert await p.leases.release(handle.request_id, "aborted")
+            await control.close()
 
     run(main())
 

@@ -5,7 +5,7 @@ the same delay after it was sent. The delays sweep the life of a request: before
 starts, while it prefills, around the prefill -> decode hand-off (the lease granted, the result
 on its way to a router whose call is gone), while its KV moves and while it decodes. They are
 placed from a calibration round on the same app, so they hit the same phases on a slow or a
-fast machine. One second after each round, every replica must report zero used, zero leased
+fast machine. `FREED_WITHIN_S` after each round, every replica must report zero used, zero leased
 and zero running, and over the whole sweep no lease may have expired: the lease period is the
 last resort for a lost message, never how a cancel is cleaned up. Some cancel must have landed
 in the hand-off window itself: a lease ended as "cancelled" (granted, never fetched).
@@ -37,7 +37,10 @@ ROUND = 10
 PROMPT_TOKENS = 700  # a few 512-token prefill steps per replica for a round, on 2 CPU cores
 MAX_TOKENS = 100  # the decode still runs at the last delay
 VOCAB = 4096  # the `tiny` preset's
-FREED_WITHIN_S = 1.0
+# Well under the lease period (PD_LEASE_SECONDS), so a lease expiry can never be what freed a
+# round's blocks. 1 s held alone but failed twice in full-suite runs of this session (a
+# prefill still running 1 s after its cancel, with the other session apps loading 2 cores).
+FREED_WITHIN_S = 2.5
 
 
 @dataclass

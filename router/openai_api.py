@@ -49,7 +49,6 @@ from router.openai_protocol import (
     ModelList,
 )
 from router.openai_views import ChatView, CompletionView
-from router.prompt_tokenizer import TemplateCall
 
 if TYPE_CHECKING:
     from cluster.request import Request as GenerationRequest
@@ -113,12 +112,8 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         params = service.sampling_params(**fields)
         params.check_vocab(service.model.vocab_size)
         messages = [m.for_template() for m in body.messages]
-        options = service.chat_options
-        template = TemplateCall(
-            {**options.template_kwargs, **(body.chat_template_kwargs or {})},
-            body.add_generation_prompt,
-            body.continue_final_message,
-            options.chat_template,
+        template = service.chat_options.template_call(
+            body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message
         )
         prompt_token_ids = await service.chat_prompt(messages, plan.tools or None, template)
         request = await service.build_request(None, prompt_token_ids, params)

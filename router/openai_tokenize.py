@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from cluster.errors import InvalidArgument, NotFound
 from router.generation_service import GenerationService
 from router.openai_protocol import ChatMessage, ModelCard
-from router.prompt_tokenizer import TemplateCall
 
 
 class _Body(BaseModel):
@@ -49,12 +48,8 @@ def tokenizer_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         if body.prompt is not None:
             ids = await service.tokenize(body.prompt)
         else:
-            options = service.chat_options
-            template = TemplateCall(
-                {**options.template_kwargs, **(body.chat_template_kwargs or {})},
-                body.add_generation_prompt,
-                body.continue_final_message,
-                options.chat_template,
+            template = service.chat_options.template_call(
+                body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message
             )
             messages = [m.for_template() for m in body.messages or []]
             ids = await service.chat_prompt(messages, body.tools, template)

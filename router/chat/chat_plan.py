@@ -21,6 +21,7 @@ from router.chat.reasoning_parser import REASONING_PARSERS, ReasoningStream
 from router.chat.registry import tool_parser
 from router.chat.tool_call import ToolCall, ToolCallDelta
 from router.chat.tool_parser import ToolCallStream
+from router.prompt_tokenizer import TemplateCall
 
 MAX_TOOLS = 128
 
@@ -34,6 +35,13 @@ class ChatOptions:
     reasoning_parser: str = ""
     chat_template: str = ""  # the server's template text (`--chat-template`); "": the model's
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # defaults for every request
+
+    def template_call(
+        self, kwargs: dict[str, Any] | None, add_generation_prompt: bool, continue_final: bool
+    ) -> TemplateCall:
+        """How one request renders its chat: its template variables over the server's."""
+        merged = {**self.template_kwargs, **(kwargs or {})}
+        return TemplateCall(merged, add_generation_prompt, continue_final, self.chat_template)
 
 
 def chat_options(config: Any) -> ChatOptions:

@@ -93,10 +93,6 @@ class ChatPlan:
         self.reasoning = REASONING_PARSERS.get(options.reasoning_parser)
         self.constraint = self._constraint()
 
-    @property
-    def reads_calls(self) -> bool:
-        return self.mode != "none"
-
     def _constraint(self) -> StructuredOutput | None:
         if self.mode == "required":
             calls = [

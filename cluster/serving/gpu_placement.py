@@ -14,6 +14,7 @@ cuda + bfloat16 exactly when Ray granted the replica a GPU.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 from cluster.config import ConfigError
 from cluster.serving.app_config import ENGINE_POOLS, AppConfig, PoolConfig
 
+log = logging.getLogger("ray.serve." + __name__)
 # Node resources that say nothing a pool can ask for, left out of messages.
 _HIDDEN = ("memory", "object_store_memory", "node:", "accelerator_type:")
 
@@ -113,13 +115,15 @@ def place_gpus(config: AppConfig, view: ClusterView | None = None) -> AppConfig:
         return replace(config, **{p: replace(getattr(config, p), num_gpus=0.0) for p in pools})
     view = view or ClusterView.current()
     gpus = {p: engine_gpus(p, getattr(config, p), device, view) for p in pools}
+    given = ", ".join(f"{p} {g:g}" for p, g in gpus.items())
     if device == config.model.dtype == "auto" and len({g > 0 for g in gpus.values()}) > 1:
-        given = ", ".join(f"{p} {g:g}" for p, g in gpus.items())
         raise ConfigError(
             f"model dtype auto: GPUs per replica {given}, so one pool would run bfloat16 on "
             "GPUs and the other float32 on CPUs, and their KV layouts differ; set model.dtype, "
             f"or each pool's num_gpus ({view.describe()})"
         )
+    if device == "auto":  # said where the app is built; each replica then decides by its grant
+        log.info("GPUs per engine replica: %s (%s: %s)", given, view.where, view.describe())
     return replace(config, **{p: replace(getattr(config, p), num_gpus=g) for p, g in gpus.items()})
 
 

@@ -36,7 +36,7 @@ from hyperframe.frame import GoAwayFrame
 from router.direct.admission import Admission
 from router.direct.connection_guard import ConnectionGuard
 from router.direct.grpc_call import GrpcCall, Method
-from router.direct.limits import DirectLimits
+from router.direct.limits import DEFAULT_WINDOW, DirectLimits
 
 log = logging.getLogger("ray.serve." + __name__)
 # Response bytes framed in one loop turn before a sender waits for the turn's write: a method
@@ -45,7 +45,6 @@ TURN_BYTES = 64 << 10
 _H2 = h2.config.H2Configuration(client_side=False, header_encoding=None)
 _RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # grpc-message as it is
-_DEFAULT_WINDOW = 65535  # a connection's receive window before any WINDOW_UPDATE
 _CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 
 
@@ -108,7 +107,8 @@ class GrpcConnection(asyncio.Protocol):
         # so it holds before the client acknowledges the SETTINGS that announce it.
         self.h2.decoder.max_header_list_size = limits.max_header_list_bytes
         self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(limits.connection_window_bytes - _DEFAULT_WINDOW)
+        if limits.connection_window_bytes > DEFAULT_WINDOW:
+            self.h2.increment_flow_control_window(limits.connection_window_bytes - DEFAULT_WINDOW)
         self.guard = ConnectionGuard(self, limits)
         self.flush()
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The largest window HTTP/2 allows (RFC 9113, 6.9.1).
+# The largest window HTTP/2 allows (RFC 9113, 6.9.1), and a connection's before any update.
 MAX_WINDOW = (1 << 31) - 1
+DEFAULT_WINDOW = 65535
 # What one open stream costs beyond its header list: h2's stream state and its window
 # managers, the `GrpcCall`, its timer entry (an upper bound, measured in the tests).
 STREAM_STATE_BYTES = 8 << 10
@@ -66,8 +67,9 @@ class DirectLimits:
             raise ValueError("max_request_bytes and write_buffer_bytes must be >= 1")
         if not self.max_request_bytes + 5 <= self.stream_window_bytes <= MAX_WINDOW:
             raise ValueError("stream_window_bytes must take a whole request (+5), <= 2^31-1")
-        if not self.stream_window_bytes <= self.connection_window_bytes <= MAX_WINDOW:
-            raise ValueError("connection_window_bytes must be >= stream_window_bytes")
+        least = max(self.stream_window_bytes, DEFAULT_WINDOW)
+        if not least <= self.connection_window_bytes <= MAX_WINDOW:
+            raise ValueError("connection_window_bytes must be >= stream_window_bytes, 65,535")
         times = (
             self.handshake_timeout_s,
             self.idle_timeout_s,

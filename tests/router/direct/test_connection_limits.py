@@ -13,7 +13,6 @@ import time
 from h2.errors import ErrorCodes
 from hyperframe.frame import HeadersFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
-from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from router.direct import Admission, DirectLimits, GrpcServer, service_methods
 from router.router import GENERATION
 from tests.router.direct.h2_client import Answer, RawClient, frame, grpc_headers

@@ -46,6 +46,8 @@ _H2 = h2.config.H2Configuration(client_side=False, header_encoding=None)
 _RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # grpc-message as it is
 _CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+# Bytes handed to h2 at once (`data_received`).
+READ_SLICE = 16 << 10
 
 
 def status_headers(code: grpc.StatusCode, details: str) -> list[tuple[bytes, bytes]]:
@@ -113,14 +115,30 @@ class GrpcConnection(asyncio.Protocol):
         self.flush()
 
     def data_received(self, data: bytes) -> None:
-        if self.guard is None:
-            return  # refused: closing
+        """Hand `data` to h2 a slice at a time: h2 parses all it is given before its events
+        are seen, so a read of tiny frames (a flood of PINGs) would become that many events
+        and answers at once; a slice bounds them, and a flood stops at the slice that ends
+        the connection."""
+        for start in range(0, len(data), READ_SLICE):
+            if self.guard is None or self.closed():
+                return  # refused, or ended by what came before
+            self._receive(data[start : start + READ_SLICE])
+        if self.guard is not None and not self.closed():
+            if self.calls:
+                self.guard.busy()
+            else:
+                self.guard.quiet()
+        self.flush()
+
+    def _receive(self, data: bytes) -> None:
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as e:
             log.info("closing a gRPC connection on a protocol error: %s", e)
-            self.flush()  # h2's GOAWAY
-            self.transport.close()
+            if self.h2.state_machine.state != h2.connection.ConnectionState.CLOSED:
+                # h2 sends no GOAWAY for a bad preface: this one is ours
+                self.h2.close_connection(error_code=h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            self.close()  # after the GOAWAY
             return
         for event in events:
             if isinstance(event, h2.events.DataReceived):
@@ -148,12 +166,8 @@ class GrpcConnection(asyncio.Protocol):
                     call.cancel(gone=True)
                     self.forget(call)
             elif isinstance(event, h2.events.ConnectionTerminated):
-                self.transport.close()
-        if self.calls:
-            self.guard.busy()
-        else:
-            self.guard.quiet()
-        self.flush()
+                self.close()
+                return
 
     def connection_lost(self, exc) -> None:
         self.connections.discard(self)

@@ -40,8 +40,8 @@ tests/router/direct/, grpc core's server the model:
 
 Memory: what clients can make the endpoint hold before any call runs is at most
 `DirectLimits.memory_bound_bytes()`: per connection its window, its write bound, its streams'
-state and header lists (counted at 6x their HPACK size, the worst case for Python objects)
-and its own state; at the defaults about 19 MiB a connection, 2.4 GiB for 128 (the tests
+state and header lists (counted at 4x their HPACK size, above the worst case measured)
+and its own state; at the defaults about 14 MiB a connection, 1.8 GiB for 128 (the tests
 measure an attack of 1,000 streams and a PING flood against the bound at their limits).
 
 Not bounded: the rate of SETTINGS frames and stream resets (h2 answers them; the write bound

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_WINDOW = 65535
 # What one open stream costs beyond its header list: h2's stream state and its window
-# managers, the `GrpcCall`, its timer entry (an upper bound, measured in the tests).
-STREAM_STATE_BYTES = 8 << 10
+# managers, the `GrpcCall` (an upper bound; test_direct_attacks.py measures it).
+STREAM_STATE_BYTES = 4 << 10
 # How much larger a decoded header list is in Python objects than HPACK counts it (32 bytes of
-# overhead per field): a list of one-byte fields is the worst case, two bytes objects and a
-# tuple per field against 34 bytes counted.
-HEADER_OBJECT_FACTOR = 6
+# overhead per field): a list of many tiny fields is the worst case, two bytes objects and a
+# dict entry per field against 37 bytes counted (an upper bound, measured there too).
+HEADER_OBJECT_FACTOR = 4
 # A connection's own state: h2's connection, HPACK tables, the protocol and asyncio transport.
 CONNECTION_STATE_BYTES = 64 << 10
 

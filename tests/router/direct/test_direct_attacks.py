@@ -4,7 +4,8 @@ peak over the attack, from a baseline taken with the endpoint up) against what
 `DirectLimits.memory_bound_bytes` states for the connections the attack opens: 1,000 streams
 whose requests never end, over 10 connections, and a flood of PINGs its sender never reads
 the answers to. Each client must be cut off (its streams refused, its connections closed),
-and every generation the servicer opened closed."""
+and every generation the servicer opened closed. A third test measures what one stream with
+the costliest header list holds against what the bound counts for it."""
 
 from __future__ import annotations
 
@@ -15,9 +16,16 @@ import sys
 import tracemalloc
 
 from h2.errors import ErrorCodes
+from hpack import Encoder
+from hyperframe.frame import ContinuationFrame, HeadersFrame, SettingsFrame
 
-from router.direct import DirectLimits
-from tests.router.direct.rig import serving, until
+from router.direct import DirectLimits, service_methods
+from router.direct.grpc_connection import GrpcConnection
+from router.direct.limits import HEADER_OBJECT_FACTOR, STREAM_STATE_BYTES
+from router.router import GENERATION
+from tests.router.direct.h2_client import grpc_headers
+from tests.router.direct.rig import Servicer, serving, until
+from tests.router.direct.wire import PREFACE, MemoryTransport
 from tests.router.fake_service import FakeService
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -114,3 +122,62 @@ def test_a_ping_flood_is_cut_off_within_the_bound():
     assert report["debug"] == "too_many_pings"
     assert report["acks"] < 2_000  # cut off within a slice of the flood, not after it
     assert peak <= bound
+
+
+def header_lists(limits: DirectLimits, streams: int) -> list[bytes]:
+    """HEADERS (and CONTINUATION) frames for `streams` requests whose header lists fill
+    `max_header_list_bytes` with the costliest shape: as many tiny fields as fit."""
+    encoder = Encoder()
+    fields = grpc_headers()
+    room = limits.max_header_list_bytes - sum(32 + len(k) + len(v) for k, v in fields) - 64
+    for i in range(room // 37):
+        fields.append((f"{i:04x}".encode(), b"v"))  # 37 bytes as HPACK counts them
+    blocks = []
+    for n in range(streams):
+        block = encoder.encode(fields)
+        pieces = [block[i : i + 16384] for i in range(0, len(block), 16384)]
+        last = len(pieces) - 1
+        frames = [
+            (HeadersFrame if i == 0 else ContinuationFrame)(
+                2 * n + 1, piece, flags=["END_HEADERS"] if i == last else []
+            ).serialize()
+            for i, piece in enumerate(pieces)
+        ]
+        blocks.append(b"".join(frames))
+    return blocks
+
+
+def test_a_streams_cost_is_within_what_the_bound_counts_for_it():
+    """`max_streams` streams, each with a full header list of tiny fields and no body: what
+    each holds (traced) is within `STREAM_STATE_BYTES + HEADER_OBJECT_FACTOR x` the list."""
+    limits = DirectLimits(max_streams=200)
+    blocks = header_lists(limits, limits.max_streams)
+
+    async def go():
+        methods = service_methods(GENERATION, Servicer(FakeService()))
+        conn = GrpcConnection(methods, set(), limits)
+        transport = MemoryTransport()
+        transport.protocol = conn
+        conn.connection_made(transport)
+        conn.data_received(PREFACE + SettingsFrame(0).serialize())
+        tracemalloc.start()
+        try:
+            base, _ = tracemalloc.get_traced_memory()
+            for block in blocks:
+                conn.data_received(block)
+            held, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        opened = len(conn.calls)
+        transport.close()
+        await asyncio.sleep(0.01)
+        return (held - base) / opened, opened
+
+    per_stream, opened = asyncio.run(go())
+    counted = STREAM_STATE_BYTES + HEADER_OBJECT_FACTOR * limits.max_header_list_bytes
+    print(
+        f"\none stream with a full header list: {per_stream / 1024:.1f} KiB, "
+        f"counted {counted / 1024:.0f} KiB"
+    )
+    assert opened == limits.max_streams
+    assert per_stream <= counted

@@ -30,7 +30,7 @@ from router.direct.grpc_connection import GrpcConnection
 from router.router import GENERATION
 from tests.router.direct.h2_client import frame, grpc_headers
 from tests.router.direct.rig import Servicer, request
-from tests.router.direct.wire import PREFACE
+from tests.router.direct.wire import PREFACE, MemoryTransport
 from tests.router.fake_service import FakeService
 
 FUZZ = settings(
@@ -47,35 +47,6 @@ LIMITS = DirectLimits(
     stream_window_bytes=8192,
     connection_window_bytes=65535,
 )
-
-
-class MemoryTransport(asyncio.Transport):
-    """What the connection writes, kept; closing is recorded and reported as lost."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.out = bytearray()
-        self.closing = False
-        self.protocol: GrpcConnection | None = None
-
-    def write(self, data) -> None:
-        self.out += data
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        if not self.closing:
-            self.closing = True
-            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
-
-    abort = close
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def get_extra_info(self, name, default=None):
-        return default
 
 
 def server_frames(out: bytes) -> list[Frame]:

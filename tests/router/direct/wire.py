@@ -1,11 +1,13 @@
 """A hostile HTTP/2 client for the direct endpoint's limit tests: frames written as bytes
 (`hyperframe`, `hpack`), no state machine, so it sends what a well-behaved client never would
 (no preface, PINGs by the thousand, bodies that never end, headers before it has read the
-server's SETTINGS) and reads the server's frames as they come."""
+server's SETTINGS) and reads the server's frames as they come. `MemoryTransport`: a
+connection's transport with no socket, for feeding it bytes directly."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from hpack import Encoder
 from hyperframe.frame import (
@@ -103,3 +105,32 @@ class Wire:
 
 def goaway(frames: list[Frame]) -> GoAwayFrame | None:
     return next((f for f in frames if isinstance(f, GoAwayFrame)), None)
+
+
+class MemoryTransport(asyncio.Transport):
+    """What the connection writes, kept; closing is recorded and reported as lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+        self.closing = False
+        self.protocol: Any = None
+
+    def write(self, data) -> None:
+        self.out += data
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    abort = close
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name, default=None):
+        return default

@@ -31,6 +31,7 @@ from cluster.config import (
 from cluster.errors import InvalidArgument
 from cluster.kv_transfer import registry
 from cluster.request import MAX_STREAM_INTERVAL
+from cluster.serving.api_keys import ClientAuth
 from cluster.serving.autoscaling import (
     DECODE_TARGETS,
     PREFILL_TARGETS,
@@ -172,10 +173,10 @@ ENGINE_FIELDS = tuple(
 
 @with_config(DICT_FORM)
 @dataclass(frozen=True)
-class RouterConfig(DeploymentConfig):
-    """The router deployment: `DeploymentConfig`'s fields (no engine settings: the router runs
-    no engine; `max_ongoing_requests` 0 = ROUTER_ONGOING) and its direct gRPC endpoint
-    (router/direct/): with `direct_grpc` each router replica also serves
+class RouterConfig(DeploymentConfig, ClientAuth):
+    """The router deployment: `DeploymentConfig`'s fields (no engine: `max_ongoing_requests`
+    0 = ROUTER_ONGOING), `ClientAuth`'s (API keys, direct TLS: serving/api_keys.py) and its
+    direct gRPC endpoint (router/direct/): with `direct_grpc` each router replica also serves
     `pdserve.v1.Generation` itself on `transfer.host`, at `grpc_port` (0 = a free port), and
     lists it in `GetStats`. A fixed port places at most one router replica per node (Serve's
     `max_replicas_per_node`), so no two of them bind it; replicas beyond the nodes wait."""
@@ -192,6 +193,7 @@ class RouterConfig(DeploymentConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        ClientAuth.__post_init__(self)
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
         if self.grpc_port and not self.direct_grpc:
@@ -307,9 +309,9 @@ class AppConfig:
         """Fill what is derived at build time: the model's device and dtype if "auto" and a
         hub id's revision (pinned to the commit it resolves to, `cluster.model.hub.pinned`),
         each engine pool's token budget for that device, the KV transport if "auto"
-        (`auto_transport`), the capability secret (one per application) and each pool's
-        default autoscaling signals. Every replica receives this config, so it decides
-        nothing of these again."""
+        (`auto_transport`), the capability secret (one per application), each pool's
+        default autoscaling signals and the router's API keys (`with_keys_loaded`). Every
+        replica receives this config, so it decides nothing of these again."""
         from cluster.model.hub import pinned
 
         model = pinned(self.model.on_device())
@@ -329,7 +331,7 @@ class AppConfig:
             config = replace(config, transfer=replace(config.transfer, secret=secret))
         return replace(
             config,
-            router=config.router.with_default_targets(ROUTER_TARGETS),
+            router=config.router.with_default_targets(ROUTER_TARGETS).with_keys_loaded(),
             prefill=config.prefill.with_default_targets(PREFILL_TARGETS),
             decode=config.decode.with_default_targets(DECODE_TARGETS),
         )

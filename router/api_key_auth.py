@@ -52,7 +52,7 @@ class ApiKeyAuth:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys.required or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.keys.required or _route(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         header = None
@@ -66,6 +66,13 @@ class ApiKeyAuth:
             await _refuse(send, e)
             return
         await self.app(scope, receive, send)
+
+
+def _route(scope: Scope) -> str:
+    """The path within the app: Serve mounts it under its route prefix (`root_path`), which
+    the ASGI path includes."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 async def _refuse(send: Send, e: Unauthenticated) -> None:

@@ -205,6 +205,15 @@ def test_http_routes_answer_401_without_the_key(keyed_client, fake, headers):
     assert keyed_client.get("/health").status_code == 200  # the probe stays open
 
 
+def test_the_open_probe_under_a_route_prefix(fake):
+    app = FastAPI()
+    app.include_router(openai_routes(lambda: fake))
+    app.add_middleware(ApiKeyAuth, keys=KEYS)
+    with TestClient(app, root_path="/pd") as client:
+        assert client.get("/pd/health").status_code == 200
+        assert client.get("/pd/v1/models").status_code == 401
+
+
 def test_openai_client_works_with_the_key_and_not_without(keyed_client, fake):
     def client(key: str) -> openai.OpenAI:
         return openai.OpenAI(

@@ -50,6 +50,7 @@ class Router:
     async def __init__(self, config: AppConfig, prefill, decode, colocated) -> None:
         host = resolve_host(config.transfer.host)
         self.keys = ApiKeys(config.router.api_keys)
+        tls = direct_tls(config.router.tls_cert_file, config.router.tls_key_file)  # fails early
         self.tokens = TokenStreamServer(host)
         await self.tokens.start()
         self.orch = Orchestrator(
@@ -65,7 +66,6 @@ class Router:
         self.direct: GrpcServer | None = None
         if config.router.direct_grpc:
             self.direct = GrpcServer(host, config.router.grpc_port)
-            tls = direct_tls(config.router.tls_cert_file, config.router.tls_key_file)
             await self.direct.start(service_methods(GENERATION, self), ssl=tls)
         self.report = EndpointReporter(
             registry(config.name),

@@ -229,3 +229,35 @@ def test_openai_client_works_with_the_key_and_not_without(keyed_client, fake):
     with pytest.raises(openai.AuthenticationError):
         client("sk-wrong").completions.create(model="tiny-llama", prompt="hi", max_tokens=3)
     assert fake.opened == 2
+
+
+def test_generation_client_with_a_key_over_tls(tls_files, monkeypatch):
+    """pdserve's own blocking client (`GenerationClient`, as `pdserve generate --direct
+    --direct-tls-ca` makes it) against the keyed TLS endpoint: the key given, or from
+    `$PDSERVE_API_KEY`; none, refused."""
+    from cluster.client.generation_client import API_KEY_ENV, GenerationClient
+
+    cert, key = tls_files
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+
+    def calls(target: str) -> list:
+        out = []
+        with GenerationClient(target, api_key=KEY, tls_ca=cert.read_bytes()) as client:
+            out.append([m.text for m in client.generate(request(2))])
+        monkeypatch.setenv(API_KEY_ENV, KEY)
+        with GenerationClient(target, tls_ca=cert.read_bytes()) as client:
+            out.append(client.stats().kv_transport)
+        monkeypatch.delenv(API_KEY_ENV)
+        with GenerationClient(target, tls_ca=cert.read_bytes()) as client:
+            try:
+                client.model_info()
+            except grpc.RpcError as e:
+                out.append(e.code())
+        return out
+
+    async def go():
+        fake = StatsService()
+        async with endpoint(fake, direct_tls(str(cert), str(key))) as target:
+            return await asyncio.to_thread(calls, target)
+
+    assert asyncio.run(go()) == [[" t0", " t1"], "grpc", grpc.StatusCode.UNAUTHENTICATED]

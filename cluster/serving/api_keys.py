@@ -128,7 +128,7 @@ def env_keys(environ: dict[str, str] | None = None) -> tuple[ApiKey, ...]:
 @with_config(DICT_FORM)
 @dataclass(frozen=True)
 class ClientAuth:
-    """The router's client authentication and the direct endpoint's TLS (a base of
+    """The router's client authentication and the direct endpoint's TLS (the first base of
     `RouterConfig`, so its fields are the router's: `router.api_keys`, ...).
 
     With any key, every call on Serve's proxies and the routers' direct endpoints must carry
@@ -146,6 +146,9 @@ class ClientAuth:
     tls_key_file: str = ""
 
     def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)  # cooperative: RouterConfig's next base
+        if parent is not None:
+            parent()
         keys = tuple(k if isinstance(k, ApiKey) else ApiKey(k) for k in self.api_keys)
         object.__setattr__(self, "api_keys", tuple(dict.fromkeys(keys)))
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -7,8 +7,8 @@ on its way to a router whose call is gone), while its KV moves and while it deco
 placed from a calibration round on the same app, so they hit the same phases on a slow or a
 fast machine. `FREED_WITHIN_S` after each round, every replica must report zero used, zero leased
 and zero running, and over the whole sweep no lease may have expired: the lease period is the
-last resort for a lost message, never how a cancel is cleaned up. Some cancel must have landed
-in the hand-off window itself: a lease ended as "cancelled" (granted, never fetched).
+last resort for a lost message, never how a cancel is cleaned up, and none is ended as
+"aborted" (a cancel is not a failed decode hop).
 
 Timestamps come from the replicas' own reports (`ReplicaStats.updated_at`, read from the stats
 registry `GetStats` lists), so "one second after" is the replicas' clock, not the time a poll
@@ -94,9 +94,13 @@ def test_cancelling_anywhere_in_a_requests_life_frees_its_blocks_at_once(apps):
     ended = _leases_ended(settled)
     print("leases ended in the sweep, by reason:", {k: n - before[k] for k, n in ended.items()})
     assert ended["expired"] == before["expired"]
-    # The hand-off window was hit: some cancel landed on a granted lease before its fetch
-    # (the prefill had answered, the decode had not imported the KV).
-    assert ended["cancelled"] > before["cancelled"], (ended, before, delays)
+    # No cancel is taken for a failed decode hop, and some lease was granted and ended.
+    assert ended["aborted"] == before["aborted"], (ended, before)
+    assert ended["fetched"] + ended["cancelled"] > before["fetched"] + before["cancelled"]
+    # Whether a cancel landed in the hand-off window itself (the lease granted, not yet
+    # fetched: "cancelled") is chance here: the window is a few ms on this machine, and CI
+    # once ran the whole sweep without hitting it. tests/router/test_orchestrator.py and
+    # tests/prefill_worker/test_lease_keeper.py put a cancel in that window on purpose.
     assert not [r for r in settled if _holds(r)]
     # Operators see the same counts in the Prometheus export.
     assert _exported_lease_ends(apps.metrics_port, ended) == ended

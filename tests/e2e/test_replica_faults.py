@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.e2e.grpc_calls import greedy_sampling, replace_seed, tokens
 from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
 
@@ -97,11 +98,14 @@ def _wait_for_replicas(deployment: str, n: int, gone: str, timeout: float = 120.
         time.sleep(0.5)
 
 
-def _run_killing(ends, deployment: str | None, when=None) -> list[_Stream]:
+def _run_killing(ends, deployment: str | None, when=None, victim=None, stubs=None) -> list[_Stream]:
     """Run the streams; once `when(streams)` holds, kill one replica of `deployment` (None: no
-    kill). Returns the streams once all have ended and the killed replica is back."""
+    kill): `victim` (an actor name), or else the first by name. `stubs[i]` carries stream i
+    (default: each on a channel of its own to the Serve proxy). Returns the streams once all
+    have ended and the killed replica is back."""
     streams = [_Stream(r) for r in _requests()]
-    threads = [threading.Thread(target=st.read, args=(stub(ends),)) for st in streams]
+    stubs = stubs or [stub(ends) for _ in streams]
+    threads = [threading.Thread(target=st.read, args=(s,)) for st, s in zip(streams, stubs)]
     for t in threads:
         t.start()
     if deployment is not None:
@@ -109,7 +113,7 @@ def _run_killing(ends, deployment: str | None, when=None) -> list[_Stream]:
         while not when(streams):
             assert time.monotonic() < deadline, "the streams did not get going"
             time.sleep(0.005)
-        victim = _replica_names(deployment)[0]
+        victim = victim or _replica_names(deployment)[0]
         _kill(victim)
     for t in threads:
         t.join(timeout=120)
@@ -238,14 +242,53 @@ def test_a_prefill_replica_killed_around_the_hand_off_costs_no_request(
 def test_a_router_killed_mid_stream_fails_only_its_own_streams(faults, tokenizer_model_dir, hf):
     """The streams that router was carrying fail UNAVAILABLE at once; the other router's end
     normally and exactly. The engines free what the dead router's requests held (their token
-    streams break; leases it held expire)."""
-    streams = _run_killing(faults, "Router", _each_has(3))
-    reference = _run_killing(faults, None)
-    lost = [st for st in streams if st.error is not None]
-    assert 0 < len(lost) < STREAMS, [(st.error.code(), st.error.details()) for st in lost]
-    assert {st.error.code() for st in lost} == {grpc.StatusCode.UNAVAILABLE}, [
-        st.error.details() for st in lost
+    streams break; leases it held expire). Which router a stream rides is fixed, not left to
+    the proxy's choice (which once put all 12 on the survivor): a third go to each router's
+    direct endpoint, a third through the Serve proxy (either router; lost or exact)."""
+    routers = _router_endpoints()
+    victim, survivor = sorted(routers)
+    on = {0: "victim", 1: "survivor", 2: "proxy"}
+    channels = {
+        "victim": grpc.insecure_channel(routers[victim]),
+        "survivor": grpc.insecure_channel(routers[survivor]),
+    }
+    stubs = [
+        pb_grpc.GenerationStub(channels[on[i % 3]]) if i % 3 < 2 else stub(faults)
+        for i in range(STREAMS)
     ]
-    kept = [i for i, st in enumerate(streams) if st.error is None]
+    try:
+        streams = _run_killing(faults, "Router", _each_has(3), _actor_of(victim), stubs)
+    finally:
+        for c in channels.values():
+            c.close()
+    reference = _run_killing(faults, None)
+    by_route = {r: [i for i in range(STREAMS) if on[i % 3] == r] for r in on.values()}
+    lost = [i for i, st in enumerate(streams) if st.error is not None]
+    assert set(by_route["victim"]) <= set(lost), lost
+    assert not set(by_route["survivor"]) & set(lost), lost
+    assert {streams[i].error.code() for i in lost} == {grpc.StatusCode.UNAVAILABLE}, [
+        streams[i].error.details() for i in lost
+    ]
+    kept = [i for i in range(STREAMS) if i not in lost]
     _check([streams[i] for i in kept], [reference[i] for i in kept], tokenizer_model_dir, hf, kept)
     wait_for_idle(faults, FAULTS, {"prefill", "decode"}, timeout=60.0)
+
+
+def _router_endpoints() -> dict[str, str]:
+    """Each router replica's id -> its direct gRPC endpoint, from the stats registry."""
+    import ray
+
+    from cluster.serving.stats_registry import registry
+
+    deadline = time.monotonic() + 30.0
+    while True:
+        listed = [r for r in ray.get(registry(FAULTS).list.remote()) if r.pool == "router"]
+        if len(listed) == 2 and all(r.grpc_endpoint for r in listed):
+            return {r.replica_id: r.grpc_endpoint for r in listed}
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.2)
+
+
+def _actor_of(replica_id: str) -> str:
+    (name,) = [n for n in _replica_names("Router") if n.endswith(f"#{replica_id}")]
+    return name

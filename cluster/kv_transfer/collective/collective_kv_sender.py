@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import secrets
+import socket
 
 import grpc
 import torch
@@ -163,10 +164,28 @@ class CollectiveKVSender(KVSender, KVTransferServicer):
 
     def _rendezvous_store(self) -> dist.TCPStore:
         """The TCPStore every channel of this sender rendezvouses in (one port, created on the
-        first open; it listens on all interfaces)."""
+        first open). It listens on `host` only: left to itself a TCPStore listens on every
+        interface, so it is handed a socket bound here (the store owns and closes it)."""
         if self._store is None:
             timeout = datetime.timedelta(seconds=self.timeout_s)
-            self._store = dist.TCPStore(self.host, 0, None, True, timeout, wait_for_workers=False)
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                listener.bind((self.host, 0))
+                listener.listen()
+                port = listener.getsockname()[1]
+            except OSError:
+                listener.close()
+                raise
+            self._store = dist.TCPStore(
+                self.host,
+                port,
+                None,
+                True,
+                timeout,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
         return self._store
 
     async def _join(self, channel: KVChannel, store: dist.TCPStore) -> bool:

@@ -1,6 +1,7 @@
 """Fuzzing what a KV server and a decode worker parse from a peer: `KVHandle.from_proto` (a
 handle in any KV request), `layout_from_proto`, `split_endpoint` and the capability tokens
-(`Capability.verify`, `verify_cancel`). A malformed handle is InvalidArgument naming what is
+(`Capability.verify`, `verify_cancel`), and the NIXL pool description a decode worker gets
+from `ConnectNixl` (`check_description`). A malformed handle is InvalidArgument naming what is
 wrong; a token check is True only for the genuine token and never raises."""
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster.errors import InvalidArgument
+from cluster.errors import FailedPrecondition, InvalidArgument
 from cluster.kv_transfer.capability import TOKEN_BYTES, Capability
 from cluster.kv_transfer.kv_handle import KVHandle, split_endpoint
+from cluster.kv_transfer.nixl.nixl_pool import MAX_POOL_BLOCKS, check_description, pool_rows
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from tests.fuzz.fuzzing import fuzz, mutated, seeds, with_seeds
-from tests.fuzz.make_corpus import SECRET
+from tests.fuzz.make_corpus import LAYOUT, SECRET
 
 CAPABILITY = Capability(SECRET)
 
@@ -136,3 +138,44 @@ def test_a_token_check_is_a_bool_and_true_only_for_the_genuine_token(rid, block_
     if isinstance(token, bytes) and len(token) == TOKEN_BYTES and rid.isprintable():
         # The cancel domain never yields a lease's token.
         assert not CAPABILITY.verify(rid, [], CAPABILITY.cancel_token(rid))
+
+
+@st.composite
+def hostile_pool(draw) -> pb.NixlPool:
+    """A NIXL pool description as a decode worker gets it from `ConnectNixl`, every field
+    drawn from values near and far from the reader's own layout."""
+    block_bytes = LAYOUT.block_size * LAYOUT.num_kv_heads * LAYOUT.head_dim * 4
+    near = st.sampled_from((0, 1, block_bytes, 2 * block_bytes, 1 << 20, (1 << 64) - 1))
+    u64 = near | st.integers(0, (1 << 64) - 1)
+    return pb.NixlPool(
+        agent_name=draw(st.text(max_size=300)),
+        agent_metadata=draw(st.binary(max_size=8)),
+        mem_type=draw(st.sampled_from(("DRAM", "VRAM", "", "FILE"))),
+        device_id=draw(st.integers(0, (1 << 32) - 1)),
+        k_base=draw(u64),
+        v_base=draw(u64),
+        layer_stride=draw(u64),
+        block_stride=draw(u64),
+        block_bytes=draw(u64),
+        num_layers=draw(st.sampled_from((0, LAYOUT.num_layers, 1 << 31))),
+        num_blocks=draw(st.integers(0, (1 << 32) - 1)),
+    )
+
+
+@fuzz(600)
+@given(hostile_pool())
+def test_a_nixl_pool_description_is_checked_before_any_descriptor_is_built(desc: pb.NixlPool):
+    try:
+        check_description(desc, LAYOUT)
+    except (InvalidArgument, FailedPrecondition) as exc:
+        assert "NIXL" in exc.message or "pool" in exc.message, exc.message
+        return
+    # Taken: every descriptor it implies lies inside the 64-bit address space, blocks apart.
+    rows = pool_rows(
+        (desc.k_base, desc.v_base),
+        desc.num_layers,
+        (desc.layer_stride, desc.block_stride, desc.block_bytes),
+        desc.num_blocks,
+        desc.device_id,
+    )
+    assert rows.shape == (2 * LAYOUT.num_layers, 5) and desc.num_blocks <= MAX_POOL_BLOCKS

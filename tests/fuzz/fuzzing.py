@@ -6,6 +6,7 @@ a call allocated (tracemalloc), to show a decoder sizes nothing from a claimed l
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +19,10 @@ CORPUS = Path(__file__).parent / "corpus"
 
 
 def fuzz(max_examples: int) -> settings:
-    """Settings for a fuzz test of `max_examples` cases, the same cases on every run."""
+    """Settings for a fuzz test of `max_examples` cases (times `PDSERVE_FUZZ_SCALE`, for a
+    long run by hand), the same cases on every run."""
     return settings(
-        max_examples=max_examples,
+        max_examples=max_examples * int(os.environ.get("PDSERVE_FUZZ_SCALE", "1")),
         derandomize=True,
         database=None,
         deadline=None,

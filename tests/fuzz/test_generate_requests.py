@@ -120,7 +120,7 @@ def hostile_request(draw) -> pb.GenerateRequest:
     return msg
 
 
-@fuzz(1200)
+@fuzz(700)
 @given(hostile_request())
 def test_hostile_field_values(msg: pb.GenerateRequest):
     convert(msg)

@@ -53,7 +53,7 @@ def test_the_seed_chunks_assemble_the_kv_bit_exact():
         assert torch.equal(got.k, want_k) and torch.equal(got.v, want_v)
 
 
-@fuzz(1000)
+@fuzz(700)
 @with_seeds("kv_chunk")
 @given(st.binary(max_size=600) | mutated(st.sampled_from(seeds("kv_chunk"))))
 def test_any_bytes_as_a_chunk(raw: bytes):
@@ -97,14 +97,14 @@ def hostile_chunk(draw) -> bytes:
     return kv_frame.encode_frame(packed, body) if body else packed
 
 
-@fuzz(1000)
+@fuzz(600)
 @given(hostile_chunk())
 def test_hostile_header_fields_and_data_lengths(raw: bytes):
     asm = assembler(verify_checksum=True)
     add_frame(asm, raw)
 
 
-@fuzz(300)
+@fuzz(150)
 @given(st.lists(st.sampled_from(seeds("kv_chunk")[:4]), max_size=6))
 def test_chunks_in_any_order_and_repeated_are_taken_once_or_refused(order: list[bytes]):
     asm = assembler()

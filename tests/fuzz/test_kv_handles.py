@@ -46,7 +46,7 @@ def test_every_seed_is_a_handle_with_a_genuine_token():
         assert CAPABILITY.verify(handle.request_id, handle.block_ids, handle.capability_token)
 
 
-@fuzz(1000)
+@fuzz(700)
 @with_seeds("kv_handle")
 @given(st.binary(max_size=300) | mutated(st.sampled_from(seeds("kv_handle"))))
 def test_any_bytes_as_a_handle(raw: bytes):
@@ -103,7 +103,7 @@ def hostile_handle(draw) -> bytes:
     return msg.SerializeToString()
 
 
-@fuzz(1000)
+@fuzz(600)
 @given(hostile_handle())
 def test_hostile_field_values(raw: bytes):
     parse(raw)

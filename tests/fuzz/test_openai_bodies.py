@@ -112,7 +112,7 @@ def hostile_body(draw) -> tuple[str, bytes]:
     return path_of(seed), text.encode("utf-8", "surrogatepass")
 
 
-@fuzz(500)
+@fuzz(350)
 @given(hostile_body())
 def test_hostile_field_values(case: tuple[str, bytes]):
     post(*case)

@@ -74,7 +74,7 @@ def test_every_seed_is_a_valid_frame_that_survives_a_round_trip():
         assert token_wire.encode_frame(items) == frame
 
 
-@fuzz(800)
+@fuzz(600)
 @with_seeds("token_frame")
 @given(st.binary(max_size=512) | mutated(st.sampled_from(seeds("token_frame"))))
 def test_any_bytes_as_a_stream_of_frames(stream: bytes):
@@ -83,7 +83,7 @@ def test_any_bytes_as_a_stream_of_frames(stream: bytes):
         decode(body)
 
 
-@fuzz(1200)
+@fuzz(800)
 @given(
     st.binary(max_size=512) | mutated(st.sampled_from([payload(f) for f in seeds("token_frame")]))
 )

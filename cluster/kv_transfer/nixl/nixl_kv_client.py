@@ -137,6 +137,7 @@ class NixlKVClient(KVClient):
         await self.fallback.close()
         await self.control.close()
         self.peers.clear()
+        self.leases.clear()
         if self.agent is not None:
             await self._run(self.agent.close)
         self._thread.shutdown(wait=True)

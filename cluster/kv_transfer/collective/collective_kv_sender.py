@@ -1,6 +1,7 @@
 """`CollectiveKVSender`: the prefill side of the `gloo` and `nccl` KV transports (contract:
 `KVSender`): the OpenChannel, PushKV and CloseChannel RPCs. OpenChannel checks the handle's
-token; PushKV checks the handle and pins its lease (`lease_pins.pin`) until the send ends.
+token and that its lease is live (`check_live`); PushKV checks the handle and pins its lease
+(`lease_pins.pin`) until the send ends.
 
 `open` makes a `KVChannel` for a decode worker (this side is rank 0) and joins it in the
 background through the one rendezvous TCPStore this sender hosts; `push` queues the send of a
@@ -37,7 +38,7 @@ from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.kv_transfer.lease_pins import (
     SenderParts,
     abort,
-    authenticate,
+    check_live,
     generated_handlers,
     pin,
 )
@@ -82,7 +83,7 @@ class CollectiveKVSender(KVSender, KVTransferServicer):
         self, request: pb.OpenChannelRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenChannelResponse:
         try:
-            authenticate(self.leases, request.handle)
+            await check_live(self.parts, request.handle)
             channel_id, store_port = self.open(request.transport)
         except PdServeError as exc:
             await abort(context, exc)

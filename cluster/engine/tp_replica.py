@@ -28,8 +28,10 @@ from cluster.engine.kv_cache import KVCache
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.tp_runner import TPModelRunner, follow_steps
 from cluster.errors import InvalidArgument, Unavailable
+from cluster.model.info import describe_model
 from cluster.model.loader import load_model
 from cluster.model.parallel.group import TorchGroup, host_store, join_store
+from cluster.model.parallel.shard import TPShard
 
 log = logging.getLogger("ray.serve." + __name__)
 
@@ -47,6 +49,7 @@ class TPReplica:
         if k < 2:
             raise InvalidArgument("a TPReplica has 2 or more ranks; use Engine for TP 1")
         config = config.resolved()
+        TPShard.of(describe_model(config.model).spec, 0, k)  # refuses a size that does not split
         self.timeout_s = timeout_s
         store = host_store(host, k, start_timeout_s)
         ctx = mp.get_context("spawn")
@@ -60,7 +63,11 @@ class TPReplica:
             _wait_ready(store, self.followers, start_timeout_s)
             device = torch.device(config.model.device)
             self.group = TorchGroup(0, k, store, device, timeout_s)
-            self.engine = Engine(config, load_model(config.model, self.group))
+            loaded = load_model(config.model, self.group)
+            # Every rank has its shard (loading is not a collective: a slow follower may still
+            # be reading): wait for them with the start's deadline, not a step's.
+            self.group.broadcast_object("loaded", timeout_s=start_timeout_s)
+            self.engine = Engine(config, loaded)
         except BaseException:
             self._reap(0.0)
             raise
@@ -126,7 +133,8 @@ def _follower(
     group = TorchGroup(rank, world_size, store, device, timeout_s)
     loaded = load_model(config.model, group)
     model = loaded.model
-    num_blocks = group.broadcast_object(timeout_s=None)  # rank 0 loads, then sizes its pool
+    group.broadcast_object(timeout_s=None)  # every rank has loaded its shard
+    num_blocks = group.broadcast_object()  # rank 0 sizes the pool
     layout = kv_layout(loaded.info.model_id, model, config)
     kv = KVCache(layout, num_blocks, config.model.torch_dtype, device)
     follow_steps(ModelRunner(model, kv, device), group)

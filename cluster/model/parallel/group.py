@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import msgpack
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 from cluster.errors import PdServeError
 
@@ -97,42 +98,50 @@ class TorchGroup:
         device: torch.device,
         timeout_s: float,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        connect_timeout_s: float = 300.0,
     ) -> None:
+        """Joins the group: blocks until every rank has (`connect_timeout_s`, which covers
+        the slowest rank's start). `timeout_s` is each collective's deadline afterwards."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside a group of {world_size}")
         self.rank, self.world_size = rank, world_size
         self.timeout = timedelta(seconds=timeout_s)
         self.max_message_bytes = max_message_bytes
+        connect = timedelta(seconds=connect_timeout_s)
         self.host = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, world_size,
-                                          self.timeout)  # fmt: skip
+                                          connect)  # fmt: skip
         self.tensors = self.host
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self.timeout
+            options._timeout = self.timeout  # NCCL's watchdog enforces it
             self.tensors = dist.ProcessGroupNCCL(
                 dist.PrefixStore("tensors", store), rank, world_size, options
             )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.tensors.allreduce([x]).wait()
+        options = dist.AllreduceOptions()
+        options.timeout = self.timeout
+        self.tensors.allreduce([x], options).wait()
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self.tensors.allgather([parts], [x]).wait()
+        options = AllgatherOptions()  # not re-exported by torch.distributed
+        options.timeout = self.timeout
+        self.tensors.allgather([parts], [x], options).wait()
         return torch.cat(parts, dim=-1)
 
     def broadcast_object(self, obj: Any = None, timeout_s: float | None = -1.0) -> Any:
-        if timeout_s is None:
-            first = FOREVER
-        else:
-            first = self.timeout if timeout_s < 0 else timedelta(seconds=timeout_s)
         data = b""
         if self.rank == 0:
             data = msgpack.packb(obj, use_bin_type=True)
             if len(data) > self.max_message_bytes:
                 raise PdServeError(f"a {len(data)}-byte message exceeds the group's limit")
+        if timeout_s is None:
+            first = FOREVER
+        else:
+            first = self.timeout if timeout_s < 0 else timedelta(seconds=timeout_s)
         size = torch.tensor([len(data)], dtype=torch.long)
         self._broadcast(size, first)
         n = int(size.item())

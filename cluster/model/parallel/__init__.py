@@ -8,7 +8,7 @@ output crosses ranks (`layers`: row-parallel linear, vocabulary-parallel embeddi
 Part of the model plane: imports the `cluster` root and `cluster.model` only.
 """
 
-from cluster.model.parallel.group import SINGLE, TPGroup, TorchGroup
+from cluster.model.parallel.group import SINGLE, TorchGroup, TPGroup
 from cluster.model.parallel.shard import TPShard
 
 __all__ = ["SINGLE", "TPGroup", "TPShard", "TorchGroup"]

@@ -113,3 +113,13 @@ def test_tp_pool_layout_differs_from_tp1(checkpoint):
     whole = KVLayout(**{**ours.to_dict(), "num_kv_heads": TINY_SHAPE["num_key_value_heads"]})
     with pytest.raises(FailedPrecondition):
         whole.check_matches(ours)
+
+
+def test_tp1_engine_has_no_tp_machinery(model_dir, make_engine):
+    """TP 1 builds the plain runner over the SINGLE group: no step message, no collective."""
+    from cluster.engine.model_runner import ModelRunner
+    from cluster.model.parallel import SINGLE
+
+    engine = make_engine(model_dir("llama-gqa"))
+    assert type(engine.runner) is ModelRunner and engine.runner.model.tp is SINGLE
+    assert engine.layout.num_kv_heads == TINY_SHAPE["num_key_value_heads"]

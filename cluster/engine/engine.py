@@ -34,6 +34,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.engine.tp_runner import TPModelRunner
 from cluster.errors import (
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PdServeError,
@@ -118,7 +119,10 @@ class Engine:
         """Reserve free blocks for the prompt KV of `request`, computed elsewhere, and return
         them in token order; a KV transport writes them (off the engine thread: nothing else
         touches them) before `finish_import`. Until then the sequence is IMPORTING: never
-        scheduled, freed by `abort`. Raises InvalidArgument / ResourceExhausted."""
+        scheduled, freed by `abort`. Raises InvalidArgument / ResourceExhausted, and
+        FailedPrecondition at TP > 1: a transport would write rank 0's heads only."""
+        if self.loaded.model.tp.world_size > 1:
+            raise FailedPrecondition("KV import into a tensor-parallel engine is not supported")
         seq = self._new_sequence(request)
         if not self.scheduler.reserve_import(seq):
             n = self.scheduler.blocks_for(seq.num_context_tokens)

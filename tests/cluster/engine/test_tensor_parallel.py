@@ -106,10 +106,15 @@ def test_dead_follower_fails_the_step(checkpoint):
 
 def test_tp_pool_layout_differs_from_tp1(checkpoint):
     """A TP 2 rank's pool holds half the KV heads: its layout does not match a TP 1 pool's, so
-    a KV transfer between them fails FAILED_PRECONDITION (moving head slices is not built)."""
+    a KV transfer between them fails FAILED_PRECONDITION, and a TP engine refuses every import
+    (two TP 2 pools share a layout, but only rank 0's heads would move: head slices rank to
+    rank are not built)."""
     path = checkpoint("llama-gqa")
     with TPReplica(engine_config(path), 2) as replica:
         ours = replica.engine.layout
+        with pytest.raises(FailedPrecondition, match="tensor-parallel"):
+            replica.engine.reserve_import(Request("in", prompt(5, seed=3), greedy(2)))
+        assert replica.engine.stats().kv_blocks_used == 0
     whole = KVLayout(**{**ours.to_dict(), "num_kv_heads": TINY_SHAPE["num_key_value_heads"]})
     with pytest.raises(FailedPrecondition):
         whole.check_matches(ours)

@@ -33,6 +33,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from cluster.errors import PdServeError
 
 MAX_MESSAGE_BYTES = 64 << 20
+HEAD_BYTES = 4096
 # A follower waiting for the next step: no deadline (see the module docstring).
 FOREVER = timedelta(days=365)
 
@@ -142,18 +143,26 @@ class TorchGroup:
             first = FOREVER
         else:
             first = self.timeout if timeout_s < 0 else timedelta(seconds=timeout_s)
-        size = torch.tensor([len(data)], dtype=torch.long)
-        self._broadcast(size, first)
-        n = int(size.item())
-        if not 0 <= n <= self.max_message_bytes:
+        # One broadcast of a fixed-size head (the length, then the message's first bytes)
+        # carries a whole step of a few dozen sequences; the rest, if any, follows in a second.
+        head = torch.zeros(HEAD_BYTES, dtype=torch.uint8)
+        if self.rank == 0:
+            first_part = len(data).to_bytes(8, "little") + data[: HEAD_BYTES - 8]
+            head[: len(first_part)] = torch.frombuffer(bytearray(first_part), dtype=torch.uint8)
+        self._broadcast(head, first)
+        n = int.from_bytes(head[:8].numpy().tobytes(), "little")
+        if not 0 < n <= self.max_message_bytes:
             raise PdServeError(f"rank 0 announced a {n}-byte message")
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else None
-        if buf is None:
-            buf = torch.empty(n, dtype=torch.uint8)
-        self._broadcast(buf, self.timeout)
+        rest = b""
+        if n > HEAD_BYTES - 8:
+            tail = data[HEAD_BYTES - 8 :] if self.rank == 0 else bytes(n - (HEAD_BYTES - 8))
+            tail_t = torch.frombuffer(bytearray(tail), dtype=torch.uint8)
+            self._broadcast(tail_t, self.timeout)
+            rest = tail_t.numpy().tobytes()
         if self.rank == 0:
             return obj
-        return msgpack.unpackb(buf.numpy().tobytes(), raw=False, strict_map_key=True)
+        body = head[8 : 8 + min(n, HEAD_BYTES - 8)].numpy().tobytes() + rest
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
 
     def _broadcast(self, x: torch.Tensor, timeout: timedelta) -> None:
         options = dist.BroadcastOptions()

@@ -27,19 +27,21 @@ def test_single_rank_is_the_identity():
 def _peer(port: int, mode: str) -> None:
     """Rank 1: exits 0 when its side of `mode` saw what it should."""
     store = join_store("127.0.0.1", port, 2, 60)
-    group = TorchGroup(1, 2, store, CPU, timeout_s=20, max_message_bytes=1 << 10)
+    group = TorchGroup(1, 2, store, CPU, timeout_s=20, max_message_bytes=16 << 10)
     if mode == "silent":  # joins, then never takes part in a collective
         time.sleep(30)
         return
     x = group.all_reduce(torch.full((2, 3), 2.0))
     g = group.all_gather(torch.full((2, 1), 2.0))
     msg = group.broadcast_object(timeout_s=None)
+    big = group.broadcast_object()  # longer than the one-broadcast head: sent in two
     ok = (
-        torch.equal(x, torch.full((2, 3), 3.0))
+        big == list(range(2000))
+        and torch.equal(x, torch.full((2, 3), 3.0))
         and torch.equal(g, torch.tensor([[1.0, 2.0], [1.0, 2.0]]))
         and msg == {"ids": [1, 2, 3], "b": b"\x00\x01", "s": "x"}
     )
-    try:  # rank 0 announces 4 KiB, over this rank's 1 KiB limit
+    try:  # rank 0 announces 32 KiB, over this rank's 16 KiB limit
         group.broadcast_object()
         ok = False
     except PdServeError:
@@ -63,8 +65,9 @@ def test_two_ranks_reduce_gather_and_broadcast():
         g = group.all_gather(torch.full((2, 1), 1.0))
         assert torch.equal(g, torch.tensor([[1.0, 2.0], [1.0, 2.0]]))
         group.broadcast_object({"ids": [1, 2, 3], "b": b"\x00\x01", "s": "x"})
+        group.broadcast_object(list(range(2000)))
         with pytest.raises(RuntimeError):  # the peer refuses the size and leaves
-            group.broadcast_object(b"x" * 4096)
+            group.broadcast_object(b"x" * (32 << 10))
         peer.join(30)
         assert peer.exitcode == 0
     finally:

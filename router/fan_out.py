@@ -15,11 +15,18 @@ sampling parameters were made (`GenerationService.sampling_params`), so the same
 choices are identical.
 
 Usage counts as OpenAI does: the prompt once, the completions summed over the choices.
+
+Each choice runs in a context of its own (`contextvars`), in which Serve's request context has
+an internal request id of the choice's own (`_own_serve_request`): Serve's request router keeps
+one pending call per internal id, and the calls a Serve replica makes inherit its request's, so
+two choices waiting for a replica of one pool at once (their prefills) would otherwise leave
+one of them waiting forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
@@ -72,11 +79,20 @@ async def fan_out(
     failed, closed, cancelled), every choice's generation is closed, which aborts it and frees
     its KV."""
     streams: list[AsyncIterator[GenerationChunk]] = []
+    contexts: list[contextvars.Context] = []
     steps: dict[int, asyncio.Future] = {}
+    loop = asyncio.get_running_loop()
+
+    def start(i: int) -> None:
+        contexts.append(contextvars.copy_context())
+        if i:
+            contexts[i].run(_own_serve_request)
+        streams.append(generate(requests[i]))
+        step(i)
 
     def step(i: int) -> None:
         # `anext` in a task of its own (see `openai_api._next`): a cancellation reaches it once.
-        steps[i] = asyncio.ensure_future(anext(streams[i]))
+        steps[i] = loop.create_task(_anext(streams[i]), context=contexts[i])
 
     def taken(i: int) -> GenerationChunk:
         try:
@@ -85,13 +101,11 @@ async def fan_out(
             raise PdServeError(f"choice {i} ended without a finish reason") from None
 
     try:
-        streams.append(generate(requests[0]))
-        step(0)
+        start(0)
         await asyncio.wait([steps[0]])
         firsts = [taken(0)]
-        for i, request in enumerate(requests[1:], 1):
-            streams.append(generate(request))
-            step(i)
+        for i in range(1, len(requests)):
+            start(i)
         if steps:
             await asyncio.wait(steps.values(), return_when=asyncio.FIRST_EXCEPTION)
         for i in sorted(steps):  # a failed choice fails the request before it is answered
@@ -122,3 +136,18 @@ async def fan_out(
                     s.exception()  # retrieved: a failure another choice's already reported
             for stream in streams:
                 await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _anext(stream: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+    return await anext(stream)
+
+
+def _own_serve_request() -> None:
+    """Give this context's Serve request context (when there is one: inside a Serve replica)
+    an internal request id of its own."""
+    from ray.serve import context
+
+    current = context._serve_request_context.get()
+    if current is not None:
+        own = replace(current, _internal_request_id=new_request_id())
+        context._serve_request_context.set(own)

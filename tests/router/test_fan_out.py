@@ -197,3 +197,30 @@ def test_a_choice_without_a_finish_reason_fails() -> None:
 def test_official_client_refuses_n_over_the_bound(oai) -> None:
     with pytest.raises(openai.BadRequestError, match="1..16"):
         oai.completions.create(model=MODEL, prompt="hi", n=MAX_CHOICES + 1)
+
+
+def test_each_choice_calls_serve_under_an_internal_request_id_of_its_own() -> None:
+    """Serve's request router holds one pending call per internal id: choices prefilling at
+    once under their request's id would leave one waiting forever."""
+    from ray.serve import context
+
+    seen: dict[str, set[str]] = {}
+
+    async def generate(request: Request):
+        for i in range(3):
+            await asyncio.sleep(0)
+            own = context._serve_request_context.get()._internal_request_id
+            seen.setdefault(request.request_id, set()).add(own)
+            yield GenerationChunk(request.request_id, (i,), "a", "length" if i == 2 else None)
+
+    async def run():
+        context._serve_request_context.set(context._RequestContext(_internal_request_id="req"))
+        requests = choice_requests(Request("r", (1,), SamplingParams()), 3)
+        items = [item async for item in fan_out(generate, requests)]
+        return requests, items
+
+    requests, items = asyncio.run(run())
+    assert len(items) == 9
+    ids = [seen[r.request_id] for r in requests]
+    assert all(len(s) == 1 for s in ids)  # one id for every step of a choice
+    assert ids[0] == {"req"} and len(set.union(*ids)) == 3

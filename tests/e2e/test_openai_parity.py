@@ -23,7 +23,9 @@ POOLS = {"pd": {"prefill", "decode"}, "co": {"colocated"}}
 
 
 def _client(apps, app: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{apps.http_base}/{app}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{apps.http_base}/{app}/v1", api_key="unused", max_retries=0, timeout=60
+    )
 
 
 def _fresh_prompt() -> str:

@@ -3,14 +3,14 @@
     python -m benchmarks.engine_bench [--quick] [--batches 1,8,32,128] [--out FILE] [--json FILE]
 
 Three systems run the same greedy workload (B random prompts of `--prompt-len` tokens, exactly
-`--decode-len` new tokens each, EOS ignored) in the same dtype on the same device (fp32 on the
-CPU by default, or `--device cuda --dtype bfloat16`): pdserve's `Engine.step()` until done;
-transformers `generate()` on one left-padded batch; transformers `generate_batch()`, its
-continuous batching (`sdpa`, the same per-step token budget as pdserve). Prefill tok/s is
-`B * prompt_len` over the time until the last request's first token; decode tok/s counts the
-tokens after that moment, so prefill never leaks into it. The batch-1 floor is the weight bytes
-over a measured copy rate on the device: a batch-1 decode step must read every weight. `--json`
-writes the figures for `benchmarks.gpu_summary`.
+`--decode-len` new tokens each, EOS ignored), same dtype and device (fp32 on the CPU by default,
+or `--device cuda --dtype bfloat16`): pdserve's `Engine.step()` until done; transformers
+`generate()` on one left-padded batch; transformers `generate_batch()` (continuous batching,
+`sdpa`, pdserve's per-step token budget). Prefill tok/s is `B * prompt_len` over the time until
+the last first token; decode tok/s counts the tokens after it. The batch-1 floor is the weight
+bytes over a measured copy rate (a batch-1 step reads every weight). `--json`: the figures for
+`benchmarks.gpu_summary`. `--structured`: pdserve alone, per batch with and without `SCHEMA`
+(xgrammar; no output ends early): ms per decode step, the cost of structured output.
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ from benchmarks.engine_workload import (
     make_prompts,
     measure,
 )
-from benchmarks.report import add_out_option, log, publish
+from benchmarks.report import add_out_option, header, log, publish
 from cluster.config import GPU_BATCHED_TOKENS
 from cluster.model.make_model import cached_model
+from cluster.structured_output import StructuredOutput
 
 CPU_BENCH_TOKENS = 4096  # the CPU figures' budget since the first report: kept comparable
+SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 1024}
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EngineBenchConfig]:
@@ -63,17 +65,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EngineBenchC
     p.add_argument("--repeats", type=int, default=1, help="runs per cell; the best is reported")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; every system runs there")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    graphs = "on a GPU, pdserve decodes replaying CUDA graphs; --no-cuda-graphs: all eager"
     p.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="on a GPU, pdserve decodes by replaying CUDA graphs (ModelConfig.cuda_graphs); "
-        "--no-cuda-graphs runs every step eagerly, for the comparison",
+        "--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help=graphs
     )
     p.add_argument("--quick", action="store_true", help="smoke run: tiny preset, batches 1,2")
+    p.add_argument("--structured", action="store_true", help="the constrained-decoding cost")
     add_out_option(p, "engine")
     p.add_argument("--json", default=None, help="also write the figures here, as JSON")
     a = p.parse_args(argv)
+    if a.structured and a.out.endswith("engine.md"):
+        a.out = a.out.removesuffix(".md") + "_structured.md"
     q = a.quick
     preset = a.preset or ("tiny" if q else "small")
     batches = tuple(int(b) for b in (a.batches or ("1,2" if q else "1,8,32,128")).split(","))
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> str:
             torch.set_num_threads(args.threads)
         hf_logging.set_verbosity_error()
         cb_logger.setLevel(logging.CRITICAL)  # psutil and CPU-memory chatter
-        report, figs = run(cfg, argv)
+        report, figs = (run_structured if args.structured else run)(cfg, argv)
     finally:
         torch.set_num_threads(threads)
         hf_logging.set_verbosity(verbosity)
@@ -159,6 +161,29 @@ def run(cfg: EngineBenchConfig, argv: list[str]) -> tuple[str, dict]:
         render(cfg, results, weight_bytes, bandwidth, elapsed, argv),
         figures(cfg, results, weight_bytes, bandwidth),
     )
+
+
+def run_structured(cfg: EngineBenchConfig, argv: list[str]) -> tuple[str, dict]:
+    """The report, and {batch: [free, constrained] seconds per decode step}, interleaved."""
+    began, pdserve = time.perf_counter(), PdserveRunner(cfg)
+    so = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    runners = {"free": pdserve.run, "json schema": lambda p: pdserve.run(p, so)}
+    for runner in runners.values():  # warm; compiles the grammar once
+        runner(make_prompts(1, cfg, pdserve.vocab_size))
+    steps: dict[str, list[float]] = {}
+    for b in cfg.batches:
+        prompts = make_prompts(b, cfg, pdserve.vocab_size)
+        tries = {n: [_timed(r, n, prompts) for _ in range(cfg.repeats)] for n, r in runners.items()}
+        steps[str(b)] = [best(t).decode_step_s for t in tries.values()]
+    return "\n".join([
+        *header("pdserve structured-output cost", "engine_bench", argv, cfg.device),
+        f"- workload: {cfg.preset}, {cfg.dtype} on {cfg.device}, greedy, {cfg.prompt_len}-token "
+        f"prompts, {cfg.decode_len} new tokens, best of {cfg.repeats}, constraint "
+        f"`{json.dumps(SCHEMA)}`; {time.perf_counter() - began:.0f} s\n",
+        "| batch | ms per decode step, free | with the JSON schema | constrained / free |",
+        "|---|---|---|---|",
+        *(f"| {b} | {f * 1e3:.1f} | {c * 1e3:.1f} | {c / f:.2f}x |" for b, (f, c) in steps.items()),
+    ]) + "\n", steps  # fmt: skip
 
 
 def _timed(runner: Callable[[list[list[int]]], Timeline], name: str, prompts) -> Measurement:

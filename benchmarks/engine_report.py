@@ -1,6 +1,5 @@
-"""The engine benchmark's Markdown report: tok/s of the three systems side by side, the batch-1
-bandwidth floor and the two targets; and the same figures as JSON (`figures`), which
-`benchmarks.gpu_summary` reads."""
+"""The engine benchmark's Markdown report (the systems' tok/s side by side, the batch-1 floor,
+the two targets) and its figures as JSON (`figures`, read by `benchmarks.gpu_summary`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The three systems the engine benchmark runs the same workload on, each returning a
-`Timeline` of when every request got every token: pdserve's `Engine.step()` loop, transformers
-`model.generate()` on one left-padded batch, and transformers `model.generate_batch()` (its
-continuous batching)."""
+"""The engine benchmark's systems, each giving a `Timeline` of when every request got each token:
+pdserve's `Engine.step()` loop, transformers `generate()` (one left-padded batch) and
+`generate_batch()` (its continuous batching)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from cluster.engine.engine import Engine
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
+from cluster.structured_output import StructuredOutput
 
 SYSTEMS = ("pdserve", "hf generate", "hf generate_batch")
 
@@ -45,9 +45,11 @@ class PdserveRunner:
             params.pop(embed.data_ptr())
         return sum(p.numel() * p.element_size() for p in params.values())
 
-    def run(self, prompts: list[list[int]]) -> Timeline:
+    def run(self, prompts: list[list[int]], structured: StructuredOutput | None = None) -> Timeline:
         self.runs += 1
-        params = SamplingParams(max_tokens=self.cfg.decode_len, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=self.cfg.decode_len, temperature=0.0, ignore_eos=True, structured=structured
+        )
         ids = [f"r{self.runs}-{i}" for i in range(len(prompts))]
         for rid, p in zip(ids, prompts, strict=True):
             self.engine.add_request(Request(rid, tuple(p), params))

@@ -1,31 +1,22 @@
 #!/usr/bin/env bash
-# The project's GPU checks in one run, for a machine with one CUDA GPU. The default stages are
-# what issue 20's acceptance needs; their limits (with 10 s to kill each) fit one 600-s call:
-#   tests: the `gpu`-marked tests, found by their marker;
-#   engine: the engine benchmark, `small` bf16, batches 1 and 128, CUDA-graph decode;
-#   engine-eager: the same with --no-cuda-graphs, for the graphs' gain;
-#   engine-1b: the `1b` preset, bf16, batch 1, against its weight-read floor.
-# Then benchmarks/gpu_summary.py prints one acceptance table (each figure beside its target,
-# PASS, FAIL or "not measured"), which heads $OUT/README.md.
-# By name only, in GPU_CHECK_STAGES:
-#   engine-fp32: the engine benchmark in fp32 at batches 1 and 32;
-#   kv: the KV transports between two processes sharing the GPU (grpc, gloo, nixl over CUDA
-#      IPC; NIXL from a bundle built with --nixl);
-#   serving-gpu: the serving benchmark with every engine replica on the GPU (needs Ray);
-#   serving-cpu: the serving benchmark on the machine's CPUs (fp32, 4 torch threads an engine),
-#      N = 1 through the proxy, 41 pairs: the latency serving adds per token where the engine
-#      does not take every core, enough pairs for the interval to decide the 1-ms target; a
-#      device call of its own.
+# The project's GPU checks in one run, for a machine with one CUDA GPU. Default stages (issue 20's
+# acceptance; their limits, with 10 s to kill each, fit one 600-s call): tests (the `gpu`-marked
+# tests); engine (engine benchmark, `small` bf16, batches 1 and 128, CUDA-graph decode);
+# engine-eager (the same with --no-cuda-graphs); engine-1b (`1b` preset, bf16, batch 1, against
+# its weight-read floor). Then benchmarks/gpu_summary.py prints one acceptance table (each figure
+# beside its target: PASS, FAIL or "not measured"), which heads $OUT/README.md. By name only, in
+# GPU_CHECK_STAGES: engine-fp32 (fp32, batches 1 and 32); kv (the KV transports between two
+# processes sharing the GPU: grpc, gloo, nixl over CUDA IPC with a bundle built with --nixl);
+# serving-gpu (the serving benchmark, every engine replica on the GPU; needs Ray); serving-cpu
+# (the serving benchmark on the CPUs, fp32, 4 torch threads an engine, N = 1 through the proxy,
+# 41 pairs: enough for the interval to decide the 1-ms target; a device call of its own).
 # Each stage has its own time limit and the script goes on after a failure; the exit status is
 # the number of failed stages. A stage's files are $OUT/NAME.* (log, report, figures), removed
 # as it starts, so a stale file never stands in for a failed stage. $OUT (default
 # ./gpu-results)/README.md puts them together: copy it to benchmarks/results/gpu/README.md.
 # Without a .git (a `git archive` copy), set PDSERVE_COMMIT to the commit.
-#
 #   bash benchmarks/gpu_check.sh                 # issue 20's acceptance
 #   GPU_CHECK_STAGES="kv serving-gpu" bash benchmarks/gpu_check.sh
-#   GPU_CHECK_STAGES=serving-cpu bash benchmarks/gpu_check.sh
-#
 # Runs from a checkout without installing pdserve (PYTHONPATH), against the machine's torch,
 # transformers, msgpack and pytest plus the site bundle (pydantic, grpcio, protobuf; Ray Serve
 # for the serving stages): `bash benchmarks/gpu_site_bundle.sh [--serve]`, .devbundle carried.

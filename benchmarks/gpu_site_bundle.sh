@@ -4,12 +4,8 @@
 # cannot reach a package index; its image has torch, transformers, msgpack, pytest and an older
 # grpcio, and no pydantic or Ray (/work/.library/device/KINDS.md). Runs here, where pip reaches
 # the registry; the recipe and its reasons are in benchmarks/gpu_site_bundle.md.
-#
-#   bash benchmarks/gpu_site_bundle.sh            # engine stages (the default ones): 7 MiB
-#   bash benchmarks/gpu_site_bundle.sh --serve    # also Ray Serve, for serving-*: 32 MiB
-#   bash benchmarks/gpu_site_bundle.sh --nixl     # also NIXL, for the kv stage: 43 MiB
-# (--serve and --nixl together pass the device call's 64-MiB carry: one or the other a call.)
-#
+#   bash benchmarks/gpu_site_bundle.sh [--serve: also Ray Serve, 32 MiB | --nixl: NIXL, 43 MiB]
+# (default: the engine stages, 7 MiB; --serve and --nixl together pass a call's 64-MiB carry).
 # Versions are the project venv's (.venv, `make setup`); the target is CPython $PYVER (default
 # 3.12, the image's python3), x86-64 manylinux. Then carry .devbundle (ignored by git) in the
 # device call; gpu_check.sh finds .devbundle/site.tar.xz by itself. DEST=.devbundle-nixl (say)

@@ -1,9 +1,8 @@
-"""The gRPC reference rows of the serving benchmark: a bare `Generate` servicer whose streams
-all wake from one event per step, served by grpc.aio and by the router's own endpoint, each in
-a process of its own on uvloop (the loop Ray runs actors on), read by one grpc.aio client that
-checks every stream's tokens. The figure is the server process's CPU per message: the router's
-endpoint exists because grpc.aio writes each message on its own, and it must cost less than
-grpc.aio to be kept."""
+"""The serving benchmark's gRPC reference rows: a bare `Generate` servicer whose streams all wake
+from one event per step, served by grpc.aio and by the router's own endpoint, each in a process
+of its own on uvloop (Ray's actors' loop), read by one grpc.aio client checking every stream's
+tokens. The figure: the server's CPU per message. The router's endpoint exists because grpc.aio
+writes each message on its own; it must cost less than grpc.aio to be kept."""
 
 from __future__ import annotations
 

@@ -3,14 +3,13 @@
     python -m benchmarks.kv_transports_bench [--prompt-lens 512,2046] [--repeats 5] [--out FILE]
 
 A prefill process (a real engine on the `small` checkpoint, a LeaseKeeper and a KVServer serving
-nixl and grpc; then another serving gloo) prefills one prompt per length and leases its KV; this
-process, the decode side, moves it into blocks of its own paged pool with the KV client a
-decode worker makes for the transport (`make_kv_client`, `fetch_into`), `--repeats` times per
-length after one warm-up (the pair's connection or group is set up then), the transports served
-by one prefill process interleaved (A, B, A, B, ...) so that noise from other work on the
-machine hits them alike, and checks the blocks bit-exact against the leased blocks of the
-prefill side's pool. KV share of TTFT = transfer / (prefill + transfer): the time until the
-decode side can run, of which the transfer is the part disaggregation adds.
+nixl and grpc; then one serving gloo) prefills one prompt per length and leases its KV; this
+process, the decode side, moves it into its own paged pool with a decode worker's KV client
+(`make_kv_client`, `fetch_into`), `--repeats` times per length after one warm-up (which sets up
+the pair's connection or group), the transports of one prefill process interleaved (A, B, A, B)
+so that other work's noise hits them alike, and checks the blocks bit-exact against the prefill
+side's. KV share of TTFT = transfer / (prefill + transfer): of the time until the decode side
+can run, the part disaggregation adds.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ ops for rope + KV store, residual add + RMSNorm and SiLU * up).
 
     python -m benchmarks.launch_count [--preset small] [--batch 4] [--out FILE]
 
-Counted two ways: `dispatched` is every Triton kernel call plus every torch op that is neither a
-view nor an allocation (a TorchDispatchMode; runs anywhere, under Triton's interpreter on a CPU);
-`cuda kernels` is what torch.profiler records on the device (CUDA only).
+Counted two ways: `dispatched`, every Triton kernel call and every torch op but views and
+allocations (a TorchDispatchMode; anywhere, a CPU under Triton's interpreter); `cuda kernels`,
+what torch.profiler records on the device (CUDA only).
 """
 
 from __future__ import annotations

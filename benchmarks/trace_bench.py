@@ -5,13 +5,11 @@ on both, side by side in one run.
         [--max-requests 60] [--time-scale 8] [--out FILE]
 
 Two apps on one local Ray, each with two engines of one torch thread: "disaggregated" (1
-prefill + 1 decode replica) and "colocated" (2 replicas doing both phases). The same window of
-the trace (`cluster.client.workload`, lengths x 1/32, the clock scaled; prompts that share
-`hash_ids` share their tokens) is sent to one app, then to the other, open loop, by the load
-generator of `pdserve bench`. Prints each app's summary, the two side by side with their
-ratios, and checks that both gave the same tokens for every request and left no KV blocks in
-use. The default window is one where prompts share prefixes; the trace's first requests share
-none.
+prefill + 1 decode replica) and "colocated" (2 replicas doing both). The same trace window
+(`cluster.client.workload`, lengths x 1/32, clock scaled; prompts sharing `hash_ids` share
+tokens) goes to one app, then the other, open loop, by `pdserve bench`'s load generator. Prints
+each app's summary, both side by side with ratios, and checks both gave the same tokens for
+every request and left no KV blocks in use. The default window's prompts share prefixes.
 """
 
 from __future__ import annotations

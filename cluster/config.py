@@ -29,9 +29,9 @@ if typing.TYPE_CHECKING:
 
 TransportName = Literal["auto", "grpc", "nixl", "gloo", "nccl"]
 TRANSPORTS = ("auto", "grpc", "nixl", "gloo", "nccl")
-# The weights' and KV cache's dtypes, named as torch names them (torch is imported when one is
-# used, so that reading a config does not load torch); "auto" is decided by `on_device`.
-_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# Weights' and KV cache's dtypes as torch names them (torch is imported only when one is used).
+DtypeName = Literal["auto", "bfloat16", "float16", "float32"]
+_DTYPES = typing.get_args(DtypeName)
 # The scheduler's token budget per step when none is given: a GPU wants large prefill chunks
 # (vLLM's default for online serving), the CPU gets short steps so decodes are not held up.
 GPU_BATCHED_TOKENS = 8192
@@ -107,7 +107,7 @@ class ModelConfig:
     path: str
     served_name: str = ""
     revision: str = ""
-    dtype: str = "float32"
+    dtype: DtypeName = "float32"
     device: str = "cpu"
     # A context longer than the checkpoint's max_position_embeddings is refused; 0 = use it.
     max_model_len: int = 0

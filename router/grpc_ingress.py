@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 
+from cluster.pb.grpc.health.v1 import health_pb2 as health_pb
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -37,13 +38,15 @@ StreamHandler = Callable[[Any, Any], AsyncIterator[Any]]  # (request, context) -
 
 
 def add_generation_servicer(servicer: Any, server: Any) -> None:
-    """Register `pdserve.v1.Generation` on `server`. On Serve's proxy server (which replaces
-    every handler with one made by its `service_handler_factory`) the streaming handlers are
-    `detach_stream` around `coalesce_stream` around the proxy's; on any other server this is
-    `add_GenerationServicer_to_server`."""
+    """Register `pdserve.v1.Generation` and `grpc.health.v1.Health` (router/health.py) on
+    `server`. On Serve's proxy server (which replaces every handler with one made by its
+    `service_handler_factory`, calling the router's method of the RPC's name) the streaming
+    handlers are `detach_stream` around `coalesce_stream` around the proxy's; on any other
+    server this is `add_GenerationServicer_to_server` and `add_health_check`."""
     factory = getattr(server, "service_handler_factory", None)
     if factory is None:
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        add_health_check(servicer, server)
         return
 
     def make(*args: Any, **kwargs: Any) -> Callable:
@@ -55,8 +58,23 @@ def add_generation_servicer(servicer: Any, server: Any) -> None:
     server.service_handler_factory = make
     try:
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        add_health_check(servicer, server)
     finally:
         server.service_handler_factory = factory
+
+
+def add_health_check(servicer: Any, server: Any) -> None:
+    """Register `grpc.health.v1.Health/Check`, served by `servicer.Check` (a servicer without
+    one serves no health); `Watch` is left out, so it is UNIMPLEMENTED (router/health.py)."""
+    if getattr(servicer, "Check", None) is None:
+        return
+    check = grpc.unary_unary_rpc_method_handler(
+        servicer.Check,
+        request_deserializer=health_pb.HealthCheckRequest.FromString,
+        response_serializer=health_pb.HealthCheckResponse.SerializeToString,
+    )
+    service = grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": check})
+    server.add_generic_rpc_handlers((service,))
 
 
 def detach_stream(handler: StreamHandler) -> StreamHandler:

@@ -25,6 +25,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -37,7 +38,8 @@ from starlette.types import Receive, Scope, Send
 
 from cluster.errors import InvalidArgument, NotFound, PdServeError, Unavailable
 from router.chat.chat_plan import ChatPlan
-from router.generation_chunk import GenerationChunk
+from router.fan_out import choice_requests, fan_out, total_usage
+from router.generation_chunk import GenerationChunk, Usage
 from router.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -47,8 +49,9 @@ from router.openai_protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    UsageInfo,
 )
-from router.openai_views import ChatView, CompletionView
+from router.openai_views import ChatView, CompletionView, Scored, merged
 
 if TYPE_CHECKING:
     from cluster.request import Request as GenerationRequest
@@ -90,10 +93,9 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         params.check_vocab(service.model.vocab_size)
         prompt, prompt_token_ids = body.prompt_input()
         request = await service.build_request(prompt, prompt_token_ids, params)
-        view = CompletionView(
-            f"cmpl-{request.request_id}", int(time.time()), model, service.token_text
-        )
-        return await _answer(service, request, view, body.stream, body.include_usage)
+        id, created = f"cmpl-{request.request_id}", int(time.time())
+        views = [CompletionView(id, created, model, service.token_text, i) for i in range(body.n)]
+        return await _answer(service, request, views, body)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest) -> Response:
@@ -117,10 +119,9 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         )
         prompt_token_ids = await service.chat_prompt(messages, plan.tools or None, template)
         request = await service.build_request(None, prompt_token_ids, params)
-        view = ChatView(
-            f"chatcmpl-{request.request_id}", int(time.time()), model, service.token_text, plan
-        )
-        return await _answer(service, request, view, body.stream, body.include_usage)
+        id, created = f"chatcmpl-{request.request_id}", int(time.time())
+        views = [ChatView(id, created, model, service.token_text, plan, i) for i in range(body.n)]
+        return await _answer(service, request, views, body)
 
     return router
 
@@ -151,49 +152,58 @@ def _served_model(service: GenerationService, requested: str | None) -> str:
 async def _answer(
     service: GenerationService,
     request: GenerationRequest,
-    view: CompletionView | ChatView,
-    stream: bool,
-    include_usage: bool,
+    views: Sequence[CompletionView | ChatView],
+    body: CompletionRequest | ChatCompletionRequest,
 ) -> Response:
-    chunks = service.generate(request)
+    """Generate the request's `n` choices (router/fan_out.py, one view each) and answer: a
+    stream of events, or one response with every choice and the request's usage."""
+    chunks = fan_out(service.generate, choice_requests(request, len(views)))
     try:
         first = await _next(chunks)
-    except StopAsyncIteration:
-        await _close(chunks)
-        raise PdServeError("generation ended before its first chunk") from None
     except BaseException:
         await _close(chunks)
         raise
-    if stream:
-        return _EventStream(_events(chunks, first, view, include_usage))
-    texts, scored, last = [], [], first
+    if body.stream:
+        usage = _Usage(len(request.prompt_token_ids), body.include_usage, body.continuous_usage)
+        return _EventStream(_events(chunks, first, views, usage))
+    texts: list[list[str]] = [[] for _ in views]
+    scored: list[Scored] = [[] for _ in views]
+    lasts: list[GenerationChunk] = [first[1]] * len(views)
     try:
-        async for last in _relay(chunks, first):
-            texts.append(last.text)
-            scored.extend(last.scored())
+        async for i, chunk in _relay(chunks, first):
+            texts[i].append(chunk.text)
+            scored[i].extend(chunk.scored())
+            lasts[i] = chunk
     finally:
         await _close(chunks)
-    return _json(view.response("".join(texts), last, scored))
+    parts = zip(views, texts, lasts, scored, strict=True)
+    responses = [view.response("".join(t), last, s) for view, t, last, s in parts]
+    return _json(merged(responses, total_usage([_usage(c) for c in lasts])))
 
 
-async def _relay(
-    chunks: AsyncIterator[GenerationChunk], first: GenerationChunk
-) -> AsyncIterator[GenerationChunk]:
-    """`first`, then the rest, up to the chunk with the finish reason."""
-    chunk = first
+Choice = tuple[int, GenerationChunk]  # (choice index, chunk), as `fan_out` yields them
+
+
+async def _relay(chunks: AsyncIterator[Choice], first: Choice) -> AsyncIterator[Choice]:
+    """`first`, then the rest, up to every choice's chunk with the finish reason."""
+    item = first
     while True:
-        if chunk.finish_reason == "abort":
+        if item[1].finish_reason == "abort":
             raise Unavailable("the server aborted the request before it finished; retry it")
-        yield chunk
-        if chunk.finish_reason is not None:
-            return
+        yield item
         try:
-            chunk = await _next(chunks)
+            item = await _next(chunks)
         except StopAsyncIteration:
-            raise PdServeError("generation ended without a finish reason") from None
+            return
 
 
-async def _next(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+def _usage(last: GenerationChunk) -> Usage:
+    if last.usage is None:
+        raise PdServeError("generation ended without its usage")
+    return last.usage
+
+
+async def _next(chunks: AsyncIterator[Choice]) -> Choice:
     """`anext(chunks)` in a task of its own, so that a cancellation of this request (the client
     left) reaches the generation exactly once. Starlette cancels through anyio, which fails every
     later await in the cancelled scope, and the generation's cleanup must await to abort the
@@ -208,31 +218,49 @@ async def _next(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
         raise
 
 
+@dataclass(frozen=True)
+class _Usage:
+    """What a stream says of usage: `prompt_tokens`, and the request's `stream_options`."""
+
+    prompt_tokens: int
+    at_end: bool  # include_usage: a last chunk with the request's usage
+    on_every_chunk: bool  # continuous_usage_stats: each chunk its choice's usage so far
+
+
 async def _events(
-    chunks: AsyncIterator[GenerationChunk],
-    first: GenerationChunk,
-    view: CompletionView | ChatView,
-    include_usage: bool,
+    chunks: AsyncIterator[Choice],
+    first: Choice,
+    views: Sequence[CompletionView | ChatView],
+    usage: _Usage,
 ) -> AsyncIterator[str]:
     """Server-sent events for a started generation, ending in `data: [DONE]`."""
+    generated = [0] * len(views)  # tokens per choice so far
+    lasts: list[Usage | None] = [None] * len(views)
     try:
         try:
-            async for chunk in _relay(chunks, first):
-                for payload in view.chunks(chunk, is_first=chunk is first):
+            async for i, chunk in _relay(chunks, first):
+                is_first = lasts[i] is None and generated[i] == 0
+                generated[i] += len(chunk.token_ids)
+                for payload in views[i].chunks(chunk, is_first=is_first):
+                    if usage.on_every_chunk:
+                        so_far = chunk.usage or Usage(usage.prompt_tokens, generated[i])
+                        payload.usage = UsageInfo.of(so_far)
                     yield _event(payload)
-                if chunk.usage is not None and include_usage:
-                    yield _event(view.usage_chunk(chunk))
+                if chunk.finish_reason is not None:
+                    lasts[i] = _usage(chunk)
+            if usage.at_end:
+                yield _event(views[0].usage_chunk(total_usage(lasts)))  # type: ignore[arg-type]
         except PdServeError as e:
             yield _event(_error_response(e))
         except Exception:
-            logger.exception("stream of %s failed", view.id)
+            logger.exception("stream of %s failed", views[0].id)
             yield _event(_error_response(PdServeError("internal error")))
         yield "data: [DONE]\n\n"
     finally:
         await _close(chunks)
 
 
-async def _close(chunks: AsyncIterator[GenerationChunk]) -> None:
+async def _close(chunks: AsyncIterator[Choice]) -> None:
     # Shielded: this often runs because the request was cancelled (the client left), and the
     # close must still reach the workers. A no-op if `_next` already ended the generation.
     with anyio.CancelScope(shield=True):

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP payloads: request bodies in, response objects and stream chunks out.
 
 Requests ignore fields they do not know (the official client sends some); fields pdserve knows
-but cannot honour (`n > 1`, batched prompts, `echo`, and those router/openai_unsupported.py
-lists: `tools`, `response_format`, `best_of`, ...) are refused with a 400 that names them, never
+but cannot honour (`n` above `MAX_CHOICES`, batched prompts, `echo`, and those
+router/openai_unsupported.py lists: `best_of`, ...) are refused with a 400 that names them, never
 silently dropped. Responses follow OpenAI's shapes; the extra
 `pdserve_timing` object on the last response or chunk carries the phase timings.
 """
@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.fan_out import MAX_CHOICES
 from router.generation_chunk import Timing, Usage
 from router.openai_structured import StructuredFields
 from router.openai_unsupported import UnsupportedChatFields, UnsupportedCompletionFields
@@ -39,7 +40,11 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    """`include_usage`: one last chunk with the request's usage. `continuous_usage_stats` (vLLM's,
+    and as there only with `include_usage`): every chunk carries its choice's usage so far."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingBody(_Body, StructuredFields):
@@ -66,9 +71,9 @@ class _SamplingBody(_Body, StructuredFields):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
+    def _choices(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"must be in 1..{MAX_CHOICES}, got {n}")
         return n
 
     @field_validator("logit_bias")
@@ -88,6 +93,12 @@ class _SamplingBody(_Body, StructuredFields):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: `continuous_usage_stats`, which (as in vLLM) needs
+        `include_usage`."""
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
     @property
     def logprobs_count(self) -> int | None:

@@ -1,5 +1,7 @@
-"""The OpenAI response objects of one request: whole responses and stream chunks, built from
-the router's `GenerationChunk`s, with logprobs in the completions or the chat shape."""
+"""The OpenAI response objects of one request's choices: whole responses and stream chunks, built
+from the router's `GenerationChunk`s, with logprobs in the completions or the chat shape. A
+request with `n` choices has a view per choice (each keeps its own stream state), and
+`merged` joins their whole responses into one."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 from cluster.request import TokenLogprobs
 from router.chat.chat_plan import ChatOptions, ChatPlan
-from router.generation_chunk import GenerationChunk
+from router.generation_chunk import GenerationChunk, Usage
 from router.openai_protocol import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -30,23 +32,34 @@ Scored = list[tuple[int, TokenLogprobs]]  # generated tokens with their logprobs
 
 
 class _View:
-    """What both views share: the request's id, creation time, model, and token texts."""
+    """What both views share: the request's id, creation time, model, token texts, and the
+    index of the choice the view writes."""
 
     chunk_type: type[CompletionResponse] | type[ChatCompletionChunk]
 
-    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
+    def __init__(
+        self, id: str, created: int, model: str, token_text: Callable[[int], str], index: int = 0
+    ):
         self.id, self.created, self.model = id, created, model
         self.token_text = token_text
+        self.index = index
 
-    def usage_chunk(self, last: GenerationChunk):
+    def usage_chunk(self, usage: Usage):
         """The extra last stream chunk of `stream_options.include_usage`: usage, no choices."""
         return self.chunk_type(
             id=self.id,
             created=self.created,
             model=self.model,
             choices=[],
-            usage=UsageInfo.of(last.usage),
+            usage=UsageInfo.of(usage),
         )
+
+
+def merged(responses: list, usage: Usage):
+    """One response from the whole responses of a request's choices (in index order), with
+    the request's usage (`fan_out.total_usage`); the timing is choice 0's."""
+    choices = [c for r in responses for c in r.choices]
+    return responses[0].model_copy(update={"choices": choices, "usage": UsageInfo.of(usage)})
 
 
 class CompletionView(_View):
@@ -54,8 +67,10 @@ class CompletionView(_View):
 
     chunk_type = CompletionResponse
 
-    def __init__(self, id: str, created: int, model: str, token_text: Callable[[int], str]):
-        super().__init__(id, created, model, token_text)
+    def __init__(
+        self, id: str, created: int, model: str, token_text: Callable[[int], str], index: int = 0
+    ):
+        super().__init__(id, created, model, token_text, index)
         self.offset = 0  # text_offset of the next token's logprobs entry
 
     def response(self, text: str, last: GenerationChunk, scored: Scored) -> CompletionResponse:
@@ -87,7 +102,9 @@ class CompletionView(_View):
         logprobs: CompletionLogprobs | None,
         usage: UsageInfo | None = None,
     ) -> CompletionResponse:
-        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=chunk.finish_reason)
+        choice = CompletionChoice(
+            index=self.index, text=text, logprobs=logprobs, finish_reason=chunk.finish_reason
+        )
         return CompletionResponse(
             id=self.id,
             created=self.created,
@@ -111,8 +128,9 @@ class ChatView(_View):
         model: str,
         token_text: Callable[[int], str],
         plan: ChatPlan | None = None,
+        index: int = 0,
     ):
-        super().__init__(id, created, model, token_text)
+        super().__init__(id, created, model, token_text, index)
         self.plan = plan or ChatPlan(ChatOptions(), None, None)
         self.stream = self.plan.stream()
 
@@ -129,6 +147,7 @@ class ChatView(_View):
             model=self.model,
             choices=[
                 ChatCompletionChoice(
+                    index=self.index,
                     message=message,
                     logprobs=self._logprobs(scored),
                     finish_reason=_reason(last.finish_reason, bool(calls)),
@@ -155,6 +174,7 @@ class ChatView(_View):
             )
             called = bool(self.stream.calls)
             choice = ChatCompletionChunkChoice(
+                index=self.index,
                 delta=delta,
                 logprobs=self._logprobs(chunk.scored()),
                 finish_reason=_reason(chunk.finish_reason, called),

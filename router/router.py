@@ -3,10 +3,12 @@ direct endpoint, `router.direct`) and the OpenAI-compatible HTTP API (through Se
 proxy), all calling one `Orchestrator` through the `GenerationService` interface
 (router/generation_service.py), and the token stream server the workers send tokens to.
 
-The direct endpoint serves `pdserve.v1.Generation` with the same methods as the proxy, on
-`transfer.host`, at `router.grpc_port` (0: a free port), unless `router.direct_grpc` is off;
-over TLS with `router.tls_cert_file`. With `router.api_keys`, every gRPC method and HTTP route
-(but /health) first checks the caller's key (router/api_key_auth.py).
+The direct endpoint serves `pdserve.v1.Generation` and `grpc.health.v1.Health/Check`
+(router/health.py) with the same methods as the proxy, on `transfer.host`, at
+`router.grpc_port` (0: a free port), unless `router.direct_grpc` is off; over TLS with
+`router.tls_cert_file`. With `router.api_keys`, every `Generation` method and HTTP route (but
+/health, and the gRPC health check, which probes call without a key) first checks the caller's
+key (router/api_key_auth.py).
 Why, and what Serve does not see of it: docs/architecture.md, "The channels around Serve"."""
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ray import serve
 from cluster.config import resolve_host
 from cluster.errors import PdServeError, ResourceExhausted
 from cluster.model.info import describe_model
+from cluster.pb.grpc.health.v1 import health_pb2 as health_pb
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.serving.api_keys import ApiKeys
 from cluster.serving.app_config import AppConfig
@@ -34,6 +37,7 @@ from router.direct import Admission, GrpcServer, service_methods
 from router.direct_tls import direct_tls
 from router.endpoint_reporter import EndpointReporter
 from router.grpc_api import generate_responses, model_info_to_proto, stats_to_proto
+from router.health import Health, serve_pools
 from router.openai_api import install_error_handlers, openai_routes
 from router.openai_tokenize import tokenizer_routes
 from router.orchestrator import Orchestrator
@@ -41,6 +45,7 @@ from router.token_stream import TokenStreamServer
 
 log = logging.getLogger("ray.serve." + __name__)
 GENERATION = pb.DESCRIPTOR.services_by_name["Generation"]
+HEALTH = health_pb.DESCRIPTOR.services_by_name["Health"]
 # How long streams on the router's direct endpoint may go on once the replica is stopping.
 DIRECT_GRACE_S = 10.0
 
@@ -66,10 +71,12 @@ class Router:
         # Serve's limits for proxied calls, kept here for direct ones too (router/direct/).
         limits = config.router.ongoing_limit, config.router.queued_limit
         self.admission = Admission(*limits, refused=ResourceExhausted)
+        self.health = Health(config.mode, serve_pools(config, self.orch.app_name))
         self.direct: GrpcServer | None = None
         if config.router.direct_grpc:
             self.direct = GrpcServer(host, config.router.grpc_port, admission=self.admission)
-            await self.direct.start(service_methods(GENERATION, self), ssl=tls)
+            methods = {**service_methods(GENERATION, self), **service_methods(HEALTH, self)}
+            await self.direct.start(methods, ssl=tls)
         self.report = EndpointReporter(
             registry(config.name),
             str(serve.get_replica_context().replica_id.unique_id),
@@ -120,6 +127,17 @@ class Router:
         try:
             check_call(self.keys, grpc_context)
             return stats_to_proto(await self.orch.stats())
+        except Exception as e:
+            _fail(grpc_context, e)
+            raise
+
+    # -- gRPC: grpc.health.v1.Health (router/health.py) -------------------------------------
+
+    async def Check(
+        self, request: health_pb.HealthCheckRequest, grpc_context
+    ) -> health_pb.HealthCheckResponse:
+        try:
+            return await self.health.check(request.service)
         except Exception as e:
             _fail(grpc_context, e)
             raise

@@ -38,9 +38,13 @@ from cluster.serving.autoscaling import (
     ROUTER_TARGETS,
     AutoscalingSettings,
 )
+from cluster.serving.config_docs import describe_fields
 from cluster.serving.cpu_affinity import parse_cpu_list
 
 Mode = Literal["disaggregated", "colocated"]
+# The names router/chat registers (a test keeps them equal).
+ToolCallParserName = Literal["", "hermes", "qwen3_coder", "llama3_json", "mistral"]
+ReasoningParserName = Literal["", "qwen3", "deepseek_r1"]
 PoolName = Literal["router", "prefill", "decode", "colocated"]
 ENGINE_POOLS = ("prefill", "decode")  # the `AppConfig` fields that hold engine pools
 # A router replica's requests at once when `router.max_ongoing_requests` is 0.
@@ -248,15 +252,10 @@ class AppConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     default_max_tokens: int = 256
-    # Chat (vLLM's flags): the format tool calls are read in (`hermes`, `qwen3_coder`,
-    # `llama3_json`, `mistral`; router/chat), whether `tool_choice: auto` may use it, and the
-    # format reasoning is split out in (`qwen3`, `deepseek_r1`). "": none.
-    tool_call_parser: str = ""
+    # Chat (vLLM's flags; router/chat). Every field's meaning: cluster/serving/config_docs.py.
+    tool_call_parser: ToolCallParserName = ""
     enable_auto_tool_choice: bool = False
-    reasoning_parser: str = ""
-    # The chat template's text (`--chat-template FILE`), "" for the model's own; template
-    # variables every request gets unless it sets them (a JSON object, e.g.
-    # '{"enable_thinking": false}').
+    reasoning_parser: ReasoningParserName = ""
     chat_template: str = ""
     default_chat_template_kwargs: str = ""
     # Sampling defaults for requests that leave a setting unset (vLLM's --generation-config):
@@ -381,6 +380,7 @@ def app_config_schema() -> dict[str, Any]:
     dict form of `AppConfig`). There `model` and `model.path` may be left out: the builder
     then serves the embedded tiny model."""
     schema = config_schema(AppConfig)
+    describe_fields(schema, "AppConfig")
     schema.pop("required")  # ["model"]
     schema["$defs"]["ModelConfig"].pop("required")  # ["path"]
     schema["title"] = "pdserve AppConfig"

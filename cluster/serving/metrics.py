@@ -92,14 +92,15 @@ METRICS.update({name: ("gauge", help_, ("pool",)) for name, help_ in LOAD_GAUGES
 class PoolMetrics:
     """The metrics one replica records, all tagged with its pool, and each also under the vLLM
     names `vllm_metrics.MIRRORS` maps it to, labelled `model_name` (`served_model_name`; empty
-    when not given). Create inside a replica."""
+    when not given), and with `kv_transport` "nixl" under `NIXL_MIRRORS`' too. Create inside a
+    replica."""
 
-    def __init__(self, pool: str, model_name: str = "") -> None:
+    def __init__(self, pool: str, model_name: str = "", kv_transport: str = "") -> None:
         self.pool = pool
         self._m = {name: _make(name, *spec) for name, spec in METRICS.items()}
         for m in self._m.values():
             m.set_default_tags({"pool": pool})
-        self._vllm = VllmMetrics(model_name)
+        self._vllm = VllmMetrics(model_name, kv_transport)
         self._series: dict[tuple, Callable[[float], None]] = {}
         self._recorders: dict[tuple, Batched] = {}
 

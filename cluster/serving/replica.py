@@ -81,7 +81,8 @@ class EngineReplica:
         if cores:
             log.info("%s engine thread pinned to cores %s", pool, format_cpu_list(cores))
         self.layout = self.engine.layout
-        self.metrics = PoolMetrics(pool, served_model_name(config.model))
+        transport = "" if config.mode == "colocated" else config.transfer.transport
+        self.metrics = PoolMetrics(pool, served_model_name(config.model), transport)
         self.stats_line = StatsLine(pool, EngineTotals(time.monotonic()))
         self.registry = registry(config.name)
         self.last_stats: ReplicaStats | None = None  # the latest sample

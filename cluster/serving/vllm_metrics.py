@@ -13,6 +13,14 @@ boundaries are vLLM's.
 Nothing records these by name: each pdserve observation is recorded again under the vLLM names
 `MIRRORS` maps it to (`VllmMetrics.recorders` for histograms and counters, `mirror_gauge`), so
 the two never disagree.
+
+With the `nixl` KV transport, the KV transfer figures are also recorded under the names of vLLM's
+NixlConnector (`NIXL_MIRRORS`, `vllm:nixl_*`, its buckets): per transfer on the decode side
+its time (fetch and import) and bytes, failed fetches; on the prefill side expired leases.
+vLLM's `nixl_post_time_seconds`, `nixl_num_descriptors` and `nixl_num_failed_notifications`
+have no pdserve equivalent (the READ is not timed apart from its wait, descriptors are counted
+only with NIXL telemetry on, and pdserve sends no completion notifications) and are not
+exported, rather than exported empty.
 """
 
 from __future__ import annotations
@@ -106,6 +114,27 @@ VLLM_METRICS: dict[str, VllmMetric] = {
     ),
 }
 
+# vLLM's shared KV-transfer bucket edges: 5 ms to 5 s, 2 KiB to 8 GiB every other power of two.
+_XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+_XFER_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
+NIXL_METRICS: dict[str, VllmMetric] = {
+    "vllm:nixl_xfer_time_seconds": VllmMetric(
+        "histogram", "Histogram of transfer duration for NIXL KV Cache transfers.",
+        _XFER_TIME_BUCKETS,
+    ),
+    "vllm:nixl_bytes_transferred": VllmMetric(
+        "histogram", "Histogram of bytes transferred per NIXL KV Cache transfers.",
+        _XFER_BYTES_BUCKETS,
+    ),
+    "vllm:nixl_num_failed_transfers_total": VllmMetric(
+        "counter", "Number of failed NIXL KV Cache transfers."
+    ),
+    "vllm:nixl_num_kv_expired_reqs_total": VllmMetric(
+        "counter", "Number of requests that had their KV expire. NOTE: This metric is tracked "
+        "on the P instance."
+    ),
+}  # fmt: skip
+
 # pdserve metric -> the vLLM metrics each of its observations is also recorded under.
 MIRRORS: dict[str, tuple[str, ...]] = {
     # Engine replicas: their scheduler's figures (`EngineReplica._report`) ...
@@ -144,6 +173,14 @@ MIRRORS: dict[str, tuple[str, ...]] = {
     ),
     "pdserve_requests_finished_total": ("vllm:request_success_total",),
 }
+# ... and with the nixl transport (`VllmMetrics(kv_transport="nixl")`), these too. A bytes
+# counter's addition is one transfer's bytes, so one observation of the bytes histogram.
+NIXL_MIRRORS: dict[str, tuple[str, ...]] = {
+    "pdserve_kv_transfer_time_seconds": ("vllm:nixl_xfer_time_seconds",),
+    "pdserve_kv_transfer_bytes_total": ("vllm:nixl_bytes_transferred",),
+    "pdserve_kv_transfer_failures_total": ("vllm:nixl_num_failed_transfers_total",),
+    "pdserve_kv_leases_expired_total": ("vllm:nixl_num_kv_expired_reqs_total",),
+}
 _TAG_NAMES = {"reason": "finished_reason"}  # pdserve tag -> vLLM label
 
 
@@ -160,17 +197,24 @@ def served_model_name(model: ModelConfig) -> str:
 
 
 class VllmMetrics:
-    """The vLLM-named metrics of one replica, labelled with the served model's name. Create
-    inside a replica, through `PoolMetrics`."""
+    """The vLLM-named metrics of one replica, labelled with the served model's name; with
+    `kv_transport` "nixl" also the NixlConnector's. Create inside a replica, through
+    `PoolMetrics`."""
 
-    def __init__(self, model_name: str) -> None:
-        self._m = {name: _make(name, spec) for name, spec in VLLM_METRICS.items()}
+    def __init__(self, model_name: str, kv_transport: str = "") -> None:
+        self.specs = dict(VLLM_METRICS)
+        self.mirrors = dict(MIRRORS)
+        if kv_transport == "nixl":
+            self.specs.update(NIXL_METRICS)
+            for name, targets in NIXL_MIRRORS.items():
+                self.mirrors[name] = self.mirrors.get(name, ()) + targets
+        self._m = {name: _make(name, spec) for name, spec in self.specs.items()}
         for m in self._m.values():
             m.set_default_tags({"model_name": model_name, "engine": "0"})
 
     def mirror_gauge(self, name: str, value: float) -> None:
         """Set each vLLM gauge that `MIRRORS` maps the pdserve gauge `name` to."""
-        for target in MIRRORS.get(name, ()):
+        for target in self.mirrors.get(name, ()):
             self._m[target].set(value)
 
     def recorders(self, name: str, tags: dict[str, str]) -> list[Callable[[float], None]]:
@@ -179,8 +223,8 @@ class VllmMetrics:
         that series has them (a counter's 0 dropped; `metrics.PoolMetrics._prepared`)."""
         renamed = {_TAG_NAMES.get(k, k): v for k, v in tags.items()}
         made = []
-        for target in MIRRORS.get(name, ()):
-            spec = VLLM_METRICS[target]
+        for target in self.mirrors.get(name, ()):
+            spec = self.specs[target]
             if spec.kind == "gauge":
                 continue
             record = recorder(self._m[target], {k: v for k, v in renamed.items() if k in spec.tags})

@@ -43,3 +43,19 @@ def test_quick_run_reports_every_row(tmp_path: Path) -> None:
     assert set(measured) == {(s, b) for s in SYSTEMS for b in (1, 2)}
     decode_b1 = f"{measured['pdserve', 1]['decode_tok_s']:,.1f}"
     assert f"| decode, batch 1 | {decode_b1} |" in report
+
+
+def test_structured_mode_reports_the_constrained_step_beside_the_free_one(tmp_path: Path) -> None:
+    model_dir = make_model("tiny", tmp_path / "tiny", seed=0)
+    out, figures = tmp_path / "engine.md", tmp_path / "figures.json"
+    argv = ["--quick", "--structured", "--model-dir", str(model_dir), "--batches", "2"]
+    report = engine_bench.main([*argv, "--out", str(out), "--json", str(figures)])
+
+    assert (tmp_path / "engine_structured.md").read_text("utf-8") == report  # its own report
+    assert not out.exists()
+    [row] = re.findall(r"^\| 2 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", report, re.M)
+    free, constrained, ratio = map(float, row)
+    assert free > 0 and constrained > 0
+    assert abs(ratio - constrained / free) <= 0.01 + 0.05 * constrained / free  # rounded cells
+    assert json.loads(figures.read_text("utf-8")).keys() == {"2"}
+    assert '"minItems": 1024' in report

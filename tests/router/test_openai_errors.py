@@ -33,7 +33,8 @@ from tests.router.fake_service import (
 @pytest.mark.parametrize(
     ("path", "body", "param", "words"),
     [
-        ("/v1/completions", {**COMPLETION, "n": 2}, "n", "n=1"),
+        ("/v1/completions", {**COMPLETION, "n": 17}, "n", "1..16"),
+        ("/v1/completions", {**COMPLETION, "n": 0}, "n", "1..16"),
         ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt", "batched"),
         ("/v1/completions", {**COMPLETION, "prompt": [[1], [2]]}, "prompt", "batched"),
         ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs", "logprobs"),
@@ -51,7 +52,7 @@ from tests.router.fake_service import (
         ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature", "temperature"),
         ("/v1/completions", {**COMPLETION, "stop": ["x"] * 65}, "stop", "at most 64"),
         ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt", "empty"),
-        ("/v1/chat/completions", {**CHAT, "n": 3}, "n", "n=1"),
+        ("/v1/chat/completions", {**CHAT, "n": 99}, "n", "1..16"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1"),
         (
             "/v1/chat/completions",

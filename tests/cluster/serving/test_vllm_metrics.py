@@ -19,6 +19,8 @@ from cluster.serving.metrics import METRICS, PoolMetrics
 from cluster.serving.pool_messages import WorkerChunk
 from cluster.serving.vllm_metrics import (
     MIRRORS,
+    NIXL_METRICS,
+    NIXL_MIRRORS,
     VLLM_METRICS,
     ray_metric_name,
     served_model_name,
@@ -207,3 +209,29 @@ def test_a_single_token_requests_tpot_is_zero_as_vllm_records_it(made, monkeypat
     assert made["vllm_request_time_per_output_token_seconds"].records[0][0] == 0.0
     assert made["vllm_request_decode_time_seconds"].records[0][0] == 0.0
     assert made["vllm_request_inference_time_seconds"].records[0][0] == pytest.approx(0.2)
+
+
+def test_nixl_transfers_are_also_recorded_under_the_nixl_connectors_names(made):
+    decode = PoolMetrics("decode", "tiny-v1", kv_transport="nixl")
+    decode.observe("pdserve_kv_transfer_time_seconds", 0.02)
+    decode.inc("pdserve_kv_transfer_bytes_total", 4096)  # one transfer's bytes
+    decode.inc("pdserve_kv_transfer_failures_total", code="UNAVAILABLE")
+    model = {"model_name": "tiny-v1", "engine": "0"}
+    assert made["vllm_nixl_xfer_time_seconds"].records == [(0.02, model)]
+    assert made["vllm_nixl_bytes_transferred"].records == [(4096, model)]
+    assert made["vllm_nixl_num_failed_transfers_total"].records == [(1.0, model)]
+    assert made["vllm_nixl_bytes_transferred"].boundaries[0] == 2048  # vLLM's buckets
+    prefill = PoolMetrics("prefill", "tiny-v1", kv_transport="nixl")  # makes them again
+    prefill.inc("pdserve_kv_leases_expired_total", 2)
+    assert made["vllm_nixl_num_kv_expired_reqs_total"].records == [(2, model)]
+    for name, spec in NIXL_METRICS.items():
+        assert (spec.kind == "counter") == name.endswith("_total")  # as Prometheus shows vLLM's
+    assert {t for ts in NIXL_MIRRORS.values() for t in ts} == set(NIXL_METRICS)
+
+
+@pytest.mark.parametrize("transport", ["", "grpc", "gloo"])
+def test_other_transports_record_no_nixl_names(made, transport):
+    m = PoolMetrics("decode", "tiny-v1", kv_transport=transport)
+    m.observe("pdserve_kv_transfer_time_seconds", 0.02)
+    m.inc("pdserve_kv_transfer_bytes_total", 4096)
+    assert not [name for name in made if name.startswith("vllm_nixl")]

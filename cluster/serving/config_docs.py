@@ -88,6 +88,13 @@ FIELD_DOCS: dict[str, dict[str, str]] = {
         "Serve proxy) and lists it in GetStats.",
         "grpc_port": "The direct endpoint's port; 0 = a free one (a fixed port places one "
         "router replica per node).",
+        "api_keys": "Keys a client must send (Authorization: Bearer KEY; gRPC metadata "
+        "authorization) on every entry point but the health checks; none: no check. Shown "
+        "redacted; prefer api_key_file or $PDSERVE_API_KEY.",
+        "api_key_file": "A file of keys, one a line (# comments), read where the app is built.",
+        "tls_cert_file": "PEM certificate the direct endpoints serve TLS with (with "
+        "tls_key_file); read on each router's node.",
+        "tls_key_file": "PEM private key of tls_cert_file.",
     },
     "CacheConfig": {
         "block_size": "Tokens per KV block, a power of two; the same in both pools.",

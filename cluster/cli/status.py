@@ -1,5 +1,6 @@
 """`pdserve status`: a running cluster's pools (replicas now and targeted, bounds, load), its
-engine replicas (KV blocks, sequences, queued prompt tokens, tokens generated) and its router
+engine replicas (KV blocks, sequences, queued prompt tokens, tokens generated; "loading" while
+one's engine starts, a hub model downloading into its node's cache) and its router
 replicas (their direct gRPC endpoints), as three tables or, with `--json`, as one JSON object;
 `--watch` refreshes until Ctrl-C."""
 
@@ -146,7 +147,7 @@ def render(snapshot: Snapshot) -> list[str]:
         ],
     )
     header = ("pool", "replica", "kv total", "kv used", "kv leased", "kv cached", "running")
-    header += ("waiting", "queued", "generated")
+    header += ("waiting", "queued", "generated", "state")
     rows = [
         (
             r.pool,
@@ -159,6 +160,7 @@ def render(snapshot: Snapshot) -> list[str]:
             r.waiting,
             r.queued_prompt_tokens,
             r.generated_tokens,
+            r.state or "ready",  # a server from before the field lists ready replicas only
         )
         for r in stats.replicas
         if r.pool != ROUTER_POOL

@@ -50,13 +50,19 @@ class WorkerChunk:
     prefill_seconds: float = 0.0
 
 
+# `ReplicaStats.state`: the replica serves, or its engine is still starting.
+READY, LOADING = "ready", "loading"
+
+
 @dataclass(frozen=True)
 class ReplicaStats:
     """One engine replica's numbers as of `updated_at` (wall clock). `kv_leases_ended`, on
     prefill replicas: how many leases ended so far, by reason (fetched, cancelled, aborted,
     expired); `kv_endpoint`, on prefill replicas: the KV server's "host:port" (where a router
     sends `CancelPrefill`). A router replica reports itself too (pool "router", every figure
-    0): `grpc_endpoint` is where it serves `pdserve.v1.Generation` without Serve's proxy."""
+    0): `grpc_endpoint` is where it serves `pdserve.v1.Generation` without Serve's proxy.
+    `state`: READY, or LOADING while the replica's engine starts (a hub model downloading into
+    the node's cache, the weights loading; every figure 0, `loading_report.LoadingReport`)."""
 
     pool: str
     replica_id: str
@@ -72,3 +78,4 @@ class ReplicaStats:
     kv_leases_ended: dict[str, int] = field(default_factory=dict)
     kv_endpoint: str = ""
     grpc_endpoint: str = ""
+    state: str = "ready"  # READY or LOADING

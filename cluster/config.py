@@ -102,7 +102,7 @@ class ModelConfig:
     downloaded when online; `revision` a branch, tag or commit, "" = main). `served_name` is
     what clients call the model (OpenAI `model`, metrics' `model_name`); "" = the hub id, or
     the directory's name. `device`/`dtype` "auto" are decided by `on_device` (cuda + bfloat16
-    where torch sees a GPU, else cpu + float32) when the app is built."""
+    where there is a GPU, else cpu + float32) where the engine runs: in each engine replica."""
 
     path: str
     served_name: str = ""
@@ -127,16 +127,17 @@ class ModelConfig:
         if not self.served_name:
             object.__setattr__(self, "served_name", default_served_name(self.path))
 
-    def on_device(self) -> ModelConfig:
-        """This config with `device` and `dtype` "auto" made concrete: cuda and bfloat16 where
-        torch sees a GPU, else cpu and float32 (an explicit device keeps its dtype rule)."""
+    def on_device(self, cuda: bool | None = None) -> ModelConfig:
+        """This config with `device` and `dtype` "auto" made concrete: cuda and bfloat16 if
+        `cuda` (None: if torch sees a GPU), else cpu and float32; an explicit device keeps its
+        dtype rule. An engine replica decides where it runs (`cluster.serving.replica_device`)."""
         if "auto" not in (self.device, self.dtype):
             return self
-        device = self.device
-        if device == "auto":
+        if cuda is None and self.device == "auto":
             import torch
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            cuda = torch.cuda.is_available()
+        device = ("cuda" if cuda else "cpu") if self.device == "auto" else self.device
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -196,13 +197,11 @@ class SchedulerConfig:
 
     def for_device(self, device: str) -> SchedulerConfig:
         """The token budget filled in for `device` if none was given: `GPU_BATCHED_TOKENS` on
-        a GPU, `CPU_BATCHED_TOKENS` on the CPU."""
-        if self.max_num_batched_tokens is not None:
+        a GPU, `CPU_BATCHED_TOKENS` on the CPU; still None for "auto" (decided with it)."""
+        if self.max_num_batched_tokens is not None or device == "auto":
             return self
-        gpu = device.startswith("cuda")
-        return replace(
-            self, max_num_batched_tokens=GPU_BATCHED_TOKENS if gpu else CPU_BATCHED_TOKENS
-        )
+        tokens = GPU_BATCHED_TOKENS if device.startswith("cuda") else CPU_BATCHED_TOKENS
+        return replace(self, max_num_batched_tokens=tokens)
 
 
 @with_config(DICT_FORM)

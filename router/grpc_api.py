@@ -149,6 +149,8 @@ def stats_to_proto(stats: ClusterStats) -> pb.ClusterStats:
                 kv_blocks_cached=s.kv_blocks_cached,
                 generated_tokens=s.generated_tokens,
                 grpc_endpoint=s.grpc_endpoint,
+                device=s.device,
+                dtype=s.dtype,
                 state=s.state,
             )
             for s in stats.replicas

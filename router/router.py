@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from cluster.config import resolve_host
-from cluster.errors import PdServeError
+from cluster.errors import PdServeError, ResourceExhausted
 from cluster.model.info import describe_model
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.serving.app_config import AppConfig
@@ -26,7 +26,7 @@ from cluster.serving.metrics import PoolMetrics
 from cluster.serving.stats_registry import registry
 from cluster.serving.vllm_metrics import served_model_name
 from router.body_limit import BodyLimit, body_limit_bytes
-from router.direct import GrpcServer, service_methods
+from router.direct import Admission, GrpcServer, service_methods
 from router.endpoint_reporter import EndpointReporter
 from router.grpc_api import generate_responses, model_info_to_proto, stats_to_proto
 from router.openai_api import install_error_handlers, openai_routes
@@ -56,9 +56,12 @@ class Router:
             PoolMetrics("router", served_model_name(config.model)),
             app_name=serve.get_replica_context().app_name,
         )
+        # Serve's limits for proxied calls, kept here for direct ones too (router/direct/).
+        limits = config.router.ongoing_limit, config.router.queued_limit
+        self.admission = Admission(*limits, refused=ResourceExhausted)
         self.direct: GrpcServer | None = None
         if config.router.direct_grpc:
-            self.direct = GrpcServer(host, config.router.grpc_port)
+            self.direct = GrpcServer(host, config.router.grpc_port, admission=self.admission)
             await self.direct.start(service_methods(GENERATION, self))
         self.report = EndpointReporter(
             registry(config.name),
@@ -82,9 +85,10 @@ class Router:
         self, request: pb.GenerateRequest, grpc_context
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async with aclosing(generate_responses(request, self.orch)) as responses:
-                async for response in responses:
-                    yield response
+            async with self.admission.slot(grpc_context):
+                async with aclosing(generate_responses(request, self.orch)) as responses:
+                    async for response in responses:
+                        yield response
         except Exception as e:
             _fail(grpc_context, e)
             raise

@@ -74,6 +74,8 @@ def profile_main(args: argparse.Namespace) -> int:
     if not stats.kv_transport:
         raise InvalidArgument("profile a disaggregated deployment: it times the KV hop too")
     blocks = [r.kv_blocks_total for r in stats.replicas if r.pool == "decode"] or [1024]
+    # "auto" is decided by each replica where it runs: the decode replicas' dtype.
+    dtype = next((r.dtype for r in stats.replicas if r.pool == "decode" and r.dtype), info.dtype)
     limits = EngineLimits(
         args.max_num_seqs, args.max_num_batched_tokens, min(blocks), info.block_size
     )
@@ -86,11 +88,11 @@ def profile_main(args: argparse.Namespace) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": args.machine or f"{platform.node()} ({platform.processor() or 'cpu'})",
         "model_id": info.model_id,
-        "dtype": info.dtype,
+        "dtype": dtype,
         "target": args.target,
         "probes": probes.requests,
     }
-    per_token = args.kv_bytes_per_token or kv_bytes_per_token(args.model, info.dtype)
+    per_token = args.kv_bytes_per_token or kv_bytes_per_token(args.model, dtype)
     try:
         profile = fit_profile(
             records, limits, stats.kv_transport, per_token, args.decode_output, source

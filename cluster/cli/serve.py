@@ -31,6 +31,7 @@ from cluster.serving.app import (
 from cluster.serving.app_config import AppConfig
 from cluster.serving.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, AutoscalingSettings
 from cluster.serving.cpu_affinity import cpu_list_arg, format_cpu_list, reserve_for_engines
+from cluster.serving.gpu_placement import ClusterView, place_gpus
 from cluster.serving.placement import check_fits, local_cpus, wait_running
 
 
@@ -167,6 +168,8 @@ def serve_main(args: argparse.Namespace) -> int:
         ignore_reinit_error=True,
     )
     try:
+        apps = place_apps(apps, ClusterView.current())
+        configs = [c for c in apps.values() if c is not None]
         if not args.address:  # this Ray cannot grow: what does not fit never will
             check_fits(configs, ray.cluster_resources())
         grpc_port, http_port = _deploy(args, apps)
@@ -236,6 +239,13 @@ def _file_apps(path: Path) -> dict[str, AppConfig | None]:
     }
 
 
+def place_apps(apps: dict[str, AppConfig | None], view: ClusterView) -> dict[str, AppConfig | None]:
+    """Each pdserve app with its engine pools' GPUs decided from `view`, the nodes of the
+    cluster just started or joined (`gpu_placement.place_gpus`), not from this machine: from a
+    CPU-only head, engine pools with device auto ask for the GPUs of the engine nodes."""
+    return {name: None if c is None else place_gpus(c, view) for name, c in apps.items()}
+
+
 def _reserve_engine_cores(args: argparse.Namespace) -> None:
     engine_cpus = args.engine_cpus
     if engine_cpus and not args.address:
@@ -258,10 +268,8 @@ def _reserve_engine_cores(args: argparse.Namespace) -> None:
 def _config_from_flags(args: argparse.Namespace) -> AppConfig:
     base = default_config(args.model)
     model = model_from_flags(args, base.model)
-    gpus = 1.0 if model.on_device().device.startswith("cuda") else 0.0
-    pool = {
+    pool = {  # num_gpus stays "auto": decided from the cluster's nodes (`place_apps`)
         "num_cpus": args.replica_cpus,
-        "num_gpus": gpus,
         "torch_threads": args.torch_threads,
         "engine_cpus": args.engine_cpus,
         "prefix_affinity": args.prefix_affinity,

@@ -1,8 +1,8 @@
 """`pdserve status`: a running cluster's pools (replicas now and targeted, bounds, load), its
-engine replicas (KV blocks, sequences, queued prompt tokens, tokens generated; "loading" while
-one's engine starts, a hub model downloading into its node's cache) and its router
-replicas (their direct gRPC endpoints), as three tables or, with `--json`, as one JSON object;
-`--watch` refreshes until Ctrl-C."""
+engine replicas (device and dtype as each decided them, KV blocks, sequences, queued prompt
+tokens, tokens generated; "loading" while one's engine starts, a hub model downloading into its
+node's cache) and its router replicas (their direct gRPC endpoints), as three tables or, with
+`--json`, as one JSON object; `--watch` refreshes until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -146,12 +146,14 @@ def render(snapshot: Snapshot) -> list[str]:
             for p in stats.pools
         ],
     )
-    header = ("pool", "replica", "kv total", "kv used", "kv leased", "kv cached", "running")
-    header += ("waiting", "queued", "generated", "state")
+    header = ("pool", "replica", "device", "dtype", "kv total", "kv used", "kv leased")
+    header += ("kv cached", "running", "waiting", "queued", "generated", "state")
     rows = [
         (
             r.pool,
             r.replica_id,
+            r.device or "-",
+            r.dtype or "-",
             r.kv_blocks_total,
             r.kv_blocks_used,
             r.kv_blocks_leased,

@@ -6,9 +6,11 @@ gauges of `metrics` (and `vllm_metrics`, the same under vLLM's names) and `GetSt
 `stats_registry`): adding a signal touches at most 3 files, listed there (the dry run) and
 checked by tests/cluster/serving/test_pool_load.py. `metered_engine` and `stats_line` make an
 engine replica's periodic stats line in its log; `cpu_affinity` pins engine threads;
-`placement` sizes a local Ray for the replicas asked for and bounds the wait for them. `hub_env`
-hands a hub model's token and hub settings to every replica; `loading_report` lists a
-replica as loading while its engine starts.
+`placement` sizes a local Ray for the replicas asked for and bounds the wait for them;
+`gpu_placement` decides each engine pool's GPUs from the cluster's nodes, and `replica_device`
+each replica's device and dtype "auto" where it runs. `hub_env` hands a hub model's token and
+hub settings to every replica; `loading_report` lists a replica as loading while its engine
+starts.
 
 May import: the `cluster` root modules, `cluster.model`, `cluster.engine`, `cluster.kv_transfer`
 and `cluster.pb`.

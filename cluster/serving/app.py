@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.config import ModelConfig
 from cluster.serving.app_config import AppConfig, DeploymentConfig
+from cluster.serving.gpu_placement import place_gpus
 from cluster.serving.hub_env import hub_env_vars
 
 if TYPE_CHECKING:  # ray.serve is imported when an app is built, not to read a config
@@ -95,7 +96,9 @@ def compose_app(config: AppConfig, role_classes: Mapping[str, str] | None = None
     if unknown:
         raise ValueError(f"no such roles: {sorted(unknown)}; roles: {sorted(ROLE_CLASSES)}")
     roles = {**ROLE_CLASSES, **(role_classes or {})}
-    config = config.resolved()
+    # Each engine pool's GPUs from the cluster's nodes; device and dtype "auto" stay for each
+    # replica to decide where it runs.
+    config = place_gpus(config.resolved())
     env = hub_env_vars(config.model)
     router = _deployment("Router", roles["Router"], config.router, env)
     if config.mode == "colocated":
@@ -201,10 +204,12 @@ def override_conflicts(config: AppConfig, deployments: list[Mapping[str, Any]]) 
 
 
 def _ray_resources(actor_options: Mapping[str, Any]) -> dict[str, Any]:
-    """An actor's resource request with Serve's defaults filled in, for comparison."""
+    """An actor's resource request with Serve's defaults filled in, for comparison ("auto"
+    GPUs, decided when the app is built, stay "auto")."""
+    gpus = actor_options.get("num_gpus", 0)
     return {
         "num_cpus": float(actor_options.get("num_cpus", 1)),
-        "num_gpus": float(actor_options.get("num_gpus", 0)),
+        "num_gpus": gpus if gpus == "auto" else float(gpus),
         "resources": {k: float(v) for k, v in (actor_options.get("resources") or {}).items()},
     }
 

@@ -41,6 +41,7 @@ from cluster.serving.cpu_affinity import parse_cpu_list
 
 Mode = Literal["disaggregated", "colocated"]
 PoolName = Literal["router", "prefill", "decode", "colocated"]
+ENGINE_POOLS = ("prefill", "decode")  # the `AppConfig` fields that hold engine pools
 # A router replica's requests at once when `router.max_ongoing_requests` is 0.
 ROUTER_ONGOING = 1024
 log = logging.getLogger("ray.serve." + __name__)
@@ -67,7 +68,8 @@ class DeploymentConfig:
 
     replicas: int = 1  # fixed size; ignored when `autoscaling` is set
     num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    # "auto" (engine pools' default): by the device and the cluster's nodes (gpu_placement.py)
+    num_gpus: float | Literal["auto"] = 0.0
     resources: Resources = ()
     # Requests one replica works on at once; 0 = the pool's own default (`ongoing_limit`).
     max_ongoing_requests: int = 0
@@ -78,7 +80,7 @@ class DeploymentConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError("replicas must be >= 1")
-        if self.num_cpus < 0 or self.num_gpus < 0:
+        if min(self.num_cpus, 0 if self.num_gpus == "auto" else self.num_gpus) < 0:
             raise ConfigError("num_cpus and num_gpus must be >= 0")
         if self.max_ongoing_requests < 0 or self.max_queued_requests < 0:
             raise ConfigError("max_ongoing_requests and max_queued_requests must be >= 0")
@@ -115,6 +117,7 @@ class PoolConfig(DeploymentConfig):
     its engine threads, prefix-affinity routing, KV pool and scheduler. `torch_threads` 0 keeps
     torch's default; `max_ongoing_requests` 0 = the scheduler's `max_num_seqs`."""
 
+    num_gpus: float | Literal["auto"] = "auto"
     torch_threads: int = 0
     # Python's GIL switch interval in this pool's engine replicas. The engine thread shares the
     # GIL with Serve's event loop; at Python's default (5 ms) each burst of the loop's work
@@ -181,6 +184,7 @@ class RouterConfig(DeploymentConfig):
     `max_replicas_per_node`), so no two of them bind it; replicas beyond the nodes wait."""
 
     num_cpus: float = 0.5
+    num_gpus: float = 0.0  # a number: "auto" is an engine pool's
     max_ongoing_requests: int = ROUTER_ONGOING
     direct_grpc: bool = True
     grpc_port: int = 0
@@ -214,7 +218,8 @@ class RouterConfig(DeploymentConfig):
         if isinstance(pool, PoolConfig) and pool.engine_cpus:
             raise ConfigError(f"router.engine_cpus: {cls.REFUSED_KEYS['engine_cpus']}")
         kept = {name: getattr(pool, name) for name in DeploymentConfig.__dataclass_fields__}
-        return cls(**{**kept, "max_ongoing_requests": pool.ongoing_limit})
+        gpus = 0.0 if pool.num_gpus == "auto" else pool.num_gpus
+        return cls(**{**kept, "num_gpus": gpus, "max_ongoing_requests": pool.ongoing_limit})
 
     def serve_placement(self) -> dict[str, Any]:
         return {"max_replicas_per_node": 1} if self.grpc_port else {}
@@ -304,22 +309,19 @@ class AppConfig:
                 )
 
     def resolved(self) -> AppConfig:
-        """Fill what is derived at build time: the model's device and dtype if "auto" and a
-        hub id's revision (pinned to the commit it resolves to, `cluster.model.hub.pinned`),
-        each engine pool's token budget for that device, the KV transport if "auto"
-        (`auto_transport`), the capability secret (one per application) and each pool's
-        default autoscaling signals. Every replica receives this config, so it decides
-        nothing of these again."""
+        """Fill what is derived at build time: a hub id's revision (pinned to its commit,
+        `cluster.model.hub.pinned`), the token budget of an explicit device, the KV transport
+        if "auto" (`auto_transport`), the capability secret (one per app) and the pools' default
+        autoscaling signals: no replica decides these again. Device and dtype "auto" (and the
+        budget) each engine replica decides where it runs (`replica_device`)."""
         from cluster.model.hub import pinned
 
-        model = pinned(self.model.on_device())
+        model = pinned(self.model)
+        budget = {p: getattr(self, p).scheduler.for_device(model.device) for p in ENGINE_POOLS}
         config = replace(
             self,
             model=model,
-            prefill=replace(
-                self.prefill, scheduler=self.prefill.scheduler.for_device(model.device)
-            ),
-            decode=replace(self.decode, scheduler=self.decode.scheduler.for_device(model.device)),
+            **{p: replace(getattr(self, p), scheduler=budget[p]) for p in ENGINE_POOLS},
         )
         if config.transfer.transport == "auto":
             transport = auto_transport(self.mode)

@@ -42,13 +42,14 @@ class Demand:
 
 
 def demands(config: AppConfig) -> list[Demand]:
-    """Each deployment's demand, in deployment order (router first)."""
+    """Each deployment's demand, in deployment order (router first). GPUs count once they
+    are a number (`gpu_placement.place_gpus`), not while "auto"."""
     out = []
     for name, pool_name in deployment_pools(config).items():
         pool = getattr(config, pool_name)
         size = pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas
         per = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **dict(pool.resources)}
-        per = {k: float(v) for k, v in per.items() if v}
+        per = {k: float(v) for k, v in per.items() if v and v != "auto"}
         out.append(Demand(config.name, name, pool_name, size, per))
     return out
 

@@ -59,10 +59,12 @@ class ReplicaStats:
     """One engine replica's numbers as of `updated_at` (wall clock). `kv_leases_ended`, on
     prefill replicas: how many leases ended so far, by reason (fetched, cancelled, aborted,
     expired); `kv_endpoint`, on prefill replicas: the KV server's "host:port" (where a router
-    sends `CancelPrefill`). A router replica reports itself too (pool "router", every figure
-    0): `grpc_endpoint` is where it serves `pdserve.v1.Generation` without Serve's proxy.
-    `state`: READY, or LOADING while the replica's engine starts (a hub model downloading into
-    the node's cache, the weights loading; every figure 0, `loading_report.LoadingReport`)."""
+    sends `CancelPrefill`); `device` and `dtype`: where and in what the replica's engine runs,
+    as it decided them ("auto" is decided by each replica, `replica_device`). A router replica
+    reports itself too (pool "router", every figure 0, no device): `grpc_endpoint` is where it
+    serves `pdserve.v1.Generation` without Serve's proxy. `state`: READY, or LOADING while the
+    replica's engine starts (a hub model downloading into the node's cache, the weights
+    loading; every figure 0, `loading_report.LoadingReport`)."""
 
     pool: str
     replica_id: str
@@ -78,4 +80,6 @@ class ReplicaStats:
     kv_leases_ended: dict[str, int] = field(default_factory=dict)
     kv_endpoint: str = ""
     grpc_endpoint: str = ""
+    device: str = ""
+    dtype: str = ""
     state: str = "ready"  # READY or LOADING

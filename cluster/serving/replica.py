@@ -25,6 +25,7 @@ from cluster.serving.metered_engine import EngineTotals, MeteredEngine
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_load import LoadSignals
 from cluster.serving.pool_messages import ReplicaStats
+from cluster.serving.replica_device import on_replica
 from cluster.serving.stats_line import StatsLine
 from cluster.serving.stats_registry import REPORT_INTERVAL_S, registry
 from cluster.serving.vllm_metrics import served_model_name
@@ -67,6 +68,10 @@ class EngineReplica:
         self.config = config
         self.replica_id = replica_id()
         self.registry = registry(config.name)
+        # Device and dtype "auto" are decided here, on the node this replica runs on.
+        engine_config = on_replica(config.engine_config(pool))
+        self.device, self.dtype = engine_config.model.device, engine_config.model.dtype
+        log.info("%s engine on %s in %s", pool, self.device, self.dtype)
         # Made and started on the engine cores: the engine thread and torch's threads inherit
         # them; this (event loop) thread gets its own mask back, and starts the output thread.
         # Listed as loading meanwhile (a hub model's download, the weights' load).
@@ -74,7 +79,7 @@ class EngineReplica:
             LoadingReport(self.registry, pool, self.replica_id),
             engine_cores(pool_config.engine_cpus) as cores,
         ):
-            engine = MeteredEngine(config.engine_config(pool))
+            engine = MeteredEngine(engine_config)
             separate = pool_config.output_thread_on(str(engine.device))
             self.engine = AsyncEngine(engine, output_thread=separate)
             self.engine.start_engine_thread()
@@ -91,7 +96,10 @@ class EngineReplica:
     async def stats(self) -> ReplicaStats:
         s = await self.engine.call(lambda e: e.stats())
         figures = {n: getattr(s, n) for n in _ENGINE_FIGURES}
-        return ReplicaStats(self.pool, self.replica_id, **figures, updated_at=time.time())
+        return ReplicaStats(
+            self.pool, self.replica_id, **figures, updated_at=time.time(),
+            device=self.device, dtype=self.dtype,
+        )  # fmt: skip
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling hook: this replica's load signals (see autoscaling.py).

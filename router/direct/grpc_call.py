@@ -8,13 +8,22 @@ four: its status in trailers (the method's end, its error, or its deadline's
 DEADLINE_EXCEEDED); UNAVAILABLE when the server stops with the call still under way past the
 grace; or silently when the client reset the stream or the connection was lost. In every case
 the method's stream is closed (`aclosing`): that is where the router frees a generation's KV.
+
+Flow control: a request's bytes are acknowledged (their window given back) when the call reads
+them, after the router's admission lets it run (admission.py), not as they arrive; bytes past
+the size limit, which are counted and dropped, are acknowledged at once. So a client's windows
+bound what its waiting and unfinished requests hold.
+
+`admit` is the one place a call is let run or refused before its method: admission today; a
+check of the call's metadata belongs beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from contextlib import aclosing
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +31,6 @@ import grpc
 from google.protobuf.message import DecodeError
 
 OK = grpc.StatusCode.OK
-# The largest request message taken, as grpc's default receive limit (4 MiB).
-MAX_REQUEST_BYTES = 4 << 20
 _TIMEOUT = re.compile(rb"(\d{1,8})([HMSmun])")
 _TIMEOUT_UNIT_S = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
@@ -66,6 +73,8 @@ class GrpcCall:
         self.headers = headers
         self.body = bytearray()
         self.too_large = False
+        self.unacked = 0  # request bytes kept and not yet acknowledged
+        self.admitted = False  # holds a slot of the router's admission
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self.headers_sent = False
@@ -89,20 +98,31 @@ class GrpcCall:
 
     # -- the request ---------------------------------------------------------------------
 
-    def receive(self, data: bytes) -> None:
-        if len(self.body) + len(data) > MAX_REQUEST_BYTES + 5:
-            self.too_large = True  # its bytes are still acknowledged, not kept
-        elif not self.too_large:
-            self.body += data
+    def receive(self, data: bytes, flow_controlled: int) -> int:
+        """Keep a piece of the request; the bytes to acknowledge now (those not kept)."""
+        if self.too_large:
+            return flow_controlled
+        limit = self.connection.limits.max_request_bytes
+        self.body += data
+        self.unacked += flow_controlled
+        declared = int.from_bytes(self.body[1:5], "big") if len(self.body) >= 5 else 0
+        if len(self.body) > limit + 5 or declared > limit:
+            self.too_large = True  # counted past the limit, not kept
+            self.body, kept, self.unacked = bytearray(), self.unacked, 0
+            return kept
+        return 0
 
     def request(self, method: Method) -> Any:
-        """The one request message, checked: size, framing, no compression, parseable."""
+        """The one request message, checked: size, framing, no compression, parseable. Its
+        bytes are read: their window goes back to the client."""
+        self.connection.consumed(self)
         if self.too_large:
+            limit = self.connection.limits.max_request_bytes
             raise CallEnded(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request larger than the limit of {MAX_REQUEST_BYTES} bytes",
+                f"request larger than the limit of {limit} bytes",
             )
-        body = bytes(self.body)
+        body, self.body = bytes(self.body), bytearray()
         if len(body) < 5 or int.from_bytes(body[1:5], "big") != len(body) - 5:
             raise CallEnded(grpc.StatusCode.INTERNAL, "expected exactly one request message")
         if body[0] != 0:
@@ -123,16 +143,17 @@ class GrpcCall:
             if method is None or method.function is None:
                 path = self.headers.get(b":path", b"").decode(errors="replace")
                 raise CallEnded(grpc.StatusCode.UNIMPLEMENTED, f"method {path} not found")
-            request = self.request(method)
-            if method.streaming:
-                async with aclosing(method.function(request, self)) as responses:
-                    async for response in responses:
-                        if (held := self.connection.send(self, response)) is not None:
-                            await held
-            else:
-                response = await method.function(request, self)
-                if (held := self.connection.send(self, response)) is not None:
-                    await held
+            async with self.admit():
+                request = self.request(method)
+                if method.streaming:
+                    async with aclosing(method.function(request, self)) as responses:
+                        async for response in responses:
+                            if (held := self.connection.send(self, response)) is not None:
+                                await held
+                else:
+                    response = await method.function(request, self)
+                    if (held := self.connection.send(self, response)) is not None:
+                        await held
             self.connection.end(self, self.code or OK, self.details)
         except CallEnded as e:
             self.connection.end(self, e.code, e.details)
@@ -149,6 +170,25 @@ class GrpcCall:
             if timer is not None:
                 timer.cancel()
             self.connection.forget(self)
+
+    @asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        """A slot of the router's admission for the call's run (none without one), waited
+        for in its queue; RESOURCE_EXHAUSTED when the queue is full. While the call holds it,
+        the router's method takes no second (admission.py)."""
+        admission = self.connection.admission
+        if admission is None:
+            yield
+            return
+        try:
+            await admission.acquire()
+        except admission.refused as e:
+            raise CallEnded(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        self.admitted = True
+        try:
+            yield
+        finally:
+            admission.release()
 
     def _expire(self) -> None:
         if self.task is not None and not self.task.done():

@@ -6,11 +6,15 @@ Why not grpc.aio: its server makes one `sendmsg` for every message it streams, a
 around each; here every message a loop turn produces for a connection (for the router, an
 engine step's tokens for all its streams) goes out in one socket write, the turn after.
 
-Backpressure is HTTP/2's: a response the stream's or the connection's send window does not
-take waits in its call (`GrpcCall.pending`), and the call's next message waits with it, so a
-method that coalesces what its client has not taken (the router does, router/token_stream.py)
-sends fewer, larger messages to a slow reader. While the socket's own buffer is full
-(`pause_writing`) every response waits.
+Backpressure is HTTP/2's both ways. A response the stream's or the connection's send window
+does not take waits in its call (`GrpcCall.pending`), and the call's next message waits with
+it, so a method that coalesces what its client has not taken (the router does,
+router/token_stream.py) sends fewer, larger messages to a slow reader; while the socket's own
+buffer is full (`pause_writing`) every response waits, and a client that lets the frames h2
+answers on its own pile up past `DirectLimits.write_buffer_bytes` is dropped. A request's
+bytes are acknowledged only once its call reads them (grpc_call.py), so the windows the
+endpoint advertises (`stream_window_bytes`, `connection_window_bytes`) are what a client can
+make it hold. Timers and the ping policy: connection_guard.py.
 """
 
 from __future__ import annotations
@@ -29,19 +33,21 @@ import h2.exceptions
 import h2.settings
 from hyperframe.frame import GoAwayFrame
 
+from router.direct.admission import Admission
+from router.direct.connection_guard import ConnectionGuard
 from router.direct.grpc_call import GrpcCall, Method
+from router.direct.limits import DEFAULT_WINDOW, DirectLimits
 
 log = logging.getLogger("ray.serve." + __name__)
-# Streams a client may hold open on one connection (grpc's own server sets no limit; h2's
-# default of 100 would queue a larger batch of streams at the client).
-MAX_STREAMS = 4096
-MAX_HEADER_LIST_BYTES = 16 << 10
 # Response bytes framed in one loop turn before a sender waits for the turn's write: a method
 # that yields without awaiting cannot starve the loop or buffer without bound.
 TURN_BYTES = 64 << 10
 _H2 = h2.config.H2Configuration(client_side=False, header_encoding=None)
 _RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # grpc-message as it is
+_CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+# Bytes handed to h2 at once (`data_received`).
+READ_SLICE = 16 << 10
 
 
 def status_headers(code: grpc.StatusCode, details: str) -> list[tuple[bytes, bytes]]:
@@ -56,9 +62,17 @@ class GrpcConnection(asyncio.Protocol):
     """HTTP/2 events in, `GrpcCall`s run; their responses framed through `h2` and written
     once per loop turn (`send` and `end`, called from the calls' tasks)."""
 
-    def __init__(self, methods: dict[bytes, Method], connections: set[GrpcConnection]) -> None:
+    def __init__(
+        self,
+        methods: dict[bytes, Method],
+        connections: set[GrpcConnection],
+        limits: DirectLimits,
+        admission: Admission | None = None,
+    ) -> None:
         self.methods = methods
         self.connections = connections  # the server's open connections
+        self.limits = limits
+        self.admission = admission
         self.h2 = h2.connection.H2Connection(_H2)
         self.calls: dict[int, GrpcCall] = {}
         self.waiting: set[GrpcCall] = set()  # calls whose responses a window holds back
@@ -68,57 +82,97 @@ class GrpcConnection(asyncio.Protocol):
         self.unflushed = 0  # response bytes framed since the last flush
         self.flushed: asyncio.Future | None = None  # set by the next flush
         self.transport: asyncio.Transport | None = None
+        self.guard: ConnectionGuard | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.loop = asyncio.get_running_loop()
+        if len(self.connections) >= self.limits.max_connections:
+            log.warning("refusing a gRPC connection: %d open", len(self.connections))
+            transport.write(GoAwayFrame(0, last_stream_id=0, error_code=_CALM).serialize())
+            transport.close()
+            return
         self.connections.add(self)
+        limits = self.limits
         self.h2.local_settings = h2.settings.Settings(
             client=False,
             initial_values={
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_BYTES,
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_streams,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_bytes,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: limits.stream_window_bytes,
             },
         )
         # Settings given as initial values are in force at once, as h2 applies none of them
-        # to its HPACK decoder: the header list limit is set there too (else h2's default).
-        self.h2.decoder.max_header_list_size = MAX_HEADER_LIST_BYTES
+        # to its HPACK decoder: the header list limit is set there too (else h2's default),
+        # so it holds before the client acknowledges the SETTINGS that announce it.
+        self.h2.decoder.max_header_list_size = limits.max_header_list_bytes
         self.h2.initiate_connection()
+        if limits.connection_window_bytes > DEFAULT_WINDOW:
+            self.h2.increment_flow_control_window(limits.connection_window_bytes - DEFAULT_WINDOW)
+        self.guard = ConnectionGuard(self, limits)
         self.flush()
 
     def data_received(self, data: bytes) -> None:
+        """Hand `data` to h2 a slice at a time: h2 parses all it is given before its events
+        are seen, so a read of tiny frames (a flood of PINGs) would become that many events
+        and answers at once; a slice bounds them, and a flood stops at the slice that ends
+        the connection."""
+        for start in range(0, len(data), READ_SLICE):
+            if self.guard is None or self.closed():
+                return  # refused, or ended by what came before
+            self._receive(data[start : start + READ_SLICE])
+        if self.guard is not None and not self.closed():
+            if self.calls:
+                self.guard.busy()
+            else:
+                self.guard.quiet()
+        self.flush()
+
+    def _receive(self, data: bytes) -> None:
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as e:
             log.info("closing a gRPC connection on a protocol error: %s", e)
-            self.flush()  # h2's GOAWAY
-            self.transport.close()
+            if self.h2.state_machine.state != h2.connection.ConnectionState.CLOSED:
+                # h2 sends no GOAWAY for a bad preface: this one is ours
+                self.h2.close_connection(error_code=h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            self.close()  # after the GOAWAY
             return
         for event in events:
             if isinstance(event, h2.events.DataReceived):
-                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 call = self.calls.get(event.stream_id)
-                if call is not None:
-                    call.receive(event.data)
-            elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+                size = event.flow_controlled_length
+                ack = size if call is None else call.receive(event.data, size)
+                if ack:
+                    self.h2.acknowledge_received_data(ack, event.stream_id)
+            elif isinstance(event, h2.events.WindowUpdated):
                 self.pump()
+            elif isinstance(event, h2.events.RemoteSettingsChanged):
+                self.guard.handshake_done()
+                self.pump()
+            elif isinstance(event, h2.events.PingReceived):
+                if self.guard.ping():
+                    self.calm_down()
+                    return
             elif isinstance(event, h2.events.RequestReceived):
                 self.open(event.stream_id, dict(event.headers))
             elif isinstance(event, h2.events.StreamEnded):
                 self.start(event.stream_id)
             elif isinstance(event, h2.events.StreamReset):
-                call = self.calls.pop(event.stream_id, None)
+                call = self.calls.get(event.stream_id)
                 if call is not None:
                     call.cancel(gone=True)
-                    self.waiting.discard(call)
+                    self.forget(call)
             elif isinstance(event, h2.events.ConnectionTerminated):
-                self.transport.close()
-        self.flush()
+                self.close()
+                return
 
     def connection_lost(self, exc) -> None:
         self.connections.discard(self)
+        if self.guard is not None:
+            self.guard.stop()
         for call in list(self.calls.values()):
             call.cancel(gone=True)
         self.calls.clear()
@@ -161,10 +215,20 @@ class GrpcConnection(asyncio.Protocol):
             method = self.methods.get(call.headers.get(b":path", b""))
             call.task = self.loop.create_task(call.run(method))
 
+    def consumed(self, call: GrpcCall) -> None:
+        """`call` read its request: give the bytes' window back to the client."""
+        if call.unacked and not self.closed():
+            self.h2.acknowledge_received_data(call.unacked, call.stream_id)
+            self._flush_soon()
+        call.unacked = 0
+
     def forget(self, call: GrpcCall) -> None:
         if self.calls.get(call.stream_id) is call:
             del self.calls[call.stream_id]
+            if not self.calls and self.guard is not None:
+                self.guard.quiet()
         self.waiting.discard(call)
+        self.consumed(call)  # a request never read, dropped: its bytes are free again
 
     def send(self, call: GrpcCall, message: Any) -> asyncio.Future | None:
         """Frame one response for `call`; a future to wait on while flow control (or a full
@@ -177,6 +241,7 @@ class GrpcConnection(asyncio.Protocol):
         if not call.headers_sent:
             self.h2.send_headers(call.stream_id, _RESPONSE_HEADERS)
             call.headers_sent = True
+        self.guard.sent()
         if (
             not call.pending
             and not self.paused
@@ -214,6 +279,7 @@ class GrpcConnection(asyncio.Protocol):
             self.h2.send_headers(call.stream_id, headers, end_stream=True)
         except h2.exceptions.StreamClosedError:
             return  # reset by the client meanwhile
+        self.guard.sent()
         self._flush_soon()
 
     # -- writing -------------------------------------------------------------------------
@@ -249,8 +315,10 @@ class GrpcConnection(asyncio.Protocol):
         """Write all `h2` has framed since the last flush, in one write."""
         self.flush_due, self.unflushed = False, 0
         data = self.h2.data_to_send()
-        if data and self.transport is not None and not self.transport.is_closing():
+        if data and not self.closed():
             self.transport.write(data)
+            if self.transport.get_write_buffer_size() > self.limits.write_buffer_bytes:
+                self.abort("the client does not read what it is sent")
         if self.flushed is not None:
             self.flushed.set_result(None)  # shielded from its waiters' cancels
             self.flushed = None
@@ -261,10 +329,44 @@ class GrpcConnection(asyncio.Protocol):
         self.stopping = True
         self.flush()
         last = self.h2.highest_inbound_stream_id
-        if self.transport is not None and not self.transport.is_closing():
+        if not self.closed():
             self.transport.write(GoAwayFrame(0, last_stream_id=last, error_code=0).serialize())
 
     def close(self) -> None:
         self.flush()
         if self.transport is not None:
             self.transport.close()
+
+    # -- limits (connection_guard.py) ----------------------------------------------------
+
+    def closed(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    def abort(self, why: str) -> None:
+        """Drop the connection at once, nothing more sent."""
+        log.info("dropping a gRPC connection: %s", why)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def calm_down(self) -> None:
+        """Too many PINGs: GOAWAY ENHANCE_YOUR_CALM, and the connection closes."""
+        log.info("closing a gRPC connection: too many pings")
+        self.h2.close_connection(error_code=_CALM, additional_data=b"too_many_pings")
+        self.close()
+
+    def go_away_idle(self) -> None:
+        """No stream for `idle_timeout_s`: GOAWAY (no error) and close."""
+        self.h2.close_connection(additional_data=b"idle")
+        self.close()
+
+    def refuse_unreceived(self, call: GrpcCall) -> None:
+        """A request that has not arrived whole within `receive_timeout_s`: DEADLINE_EXCEEDED
+        and the stream reset (NO_ERROR: the response is complete), its window given back."""
+        details = f"the request did not arrive within {self.limits.receive_timeout_s:g} s"
+        self.end(call, grpc.StatusCode.DEADLINE_EXCEEDED, details)
+        try:
+            self.h2.reset_stream(call.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        except h2.exceptions.StreamClosedError:
+            pass
+        self.forget(call)
+        self._flush_soon()

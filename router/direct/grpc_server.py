@@ -15,8 +15,10 @@ from typing import Any
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
+from router.direct.admission import Admission
 from router.direct.grpc_call import Method
 from router.direct.grpc_connection import GrpcConnection
+from router.direct.limits import DirectLimits
 
 
 def service_methods(service: ServiceDescriptor, servicer: Any) -> dict[bytes, Method]:
@@ -33,11 +35,20 @@ def service_methods(service: ServiceDescriptor, servicer: Any) -> dict[bytes, Me
 
 
 class GrpcServer:
-    """Serves one method table on `host:port` (0: a free port) until `stop`."""
+    """Serves one method table on `host:port` (0: a free port) until `stop`, within `limits`;
+    with an `admission`, every call waits for one of its slots before it runs."""
 
-    def __init__(self, host: str, port: int = 0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int = 0,
+        limits: DirectLimits | None = None,
+        admission: Admission | None = None,
+    ) -> None:
         self.host = host
         self.port = port
+        self.limits = limits or DirectLimits()
+        self.admission = admission
         self.endpoint = ""
         self._listener: asyncio.Server | None = None
         self._connections: set[GrpcConnection] = set()
@@ -47,7 +58,7 @@ class GrpcServer:
         # No SO_REUSEPORT: a fixed port another process holds fails here, loudly, instead of
         # sharing its connections.
         self._listener = await asyncio.get_running_loop().create_server(
-            lambda: GrpcConnection(methods, self._connections),
+            lambda: GrpcConnection(methods, self._connections, self.limits, self.admission),
             self.host,
             self.port,
             reuse_port=False,

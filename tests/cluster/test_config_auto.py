@@ -1,5 +1,6 @@
-"""`device`/`dtype` "auto", the token budget by device, sizes in bytes and the served name: what
-the config decides from the machine, decided once (`AppConfig.resolved`)."""
+"""`device`/`dtype` "auto", the token budget by device, sizes in bytes and the served name. "auto"
+is decided where the engine runs, never by the process that builds the app (`AppConfig.resolved`
+leaves it; each replica decides: tests/cluster/serving/test_replica_device.py)."""
 
 from __future__ import annotations
 
@@ -58,18 +59,35 @@ def test_the_token_budget_is_sized_by_the_device_unless_given():
         SchedulerConfig(max_num_batched_tokens=0)
 
 
-def test_the_app_resolves_auto_once_for_every_pool(gpu):
+def test_the_app_leaves_auto_for_the_replicas_even_where_it_is_built_on_a_gpu(gpu):
     config = AppConfig(
         ModelConfig("/models/m", device="auto", dtype="auto"),
         transfer=TransferConfig(transport="grpc"),
     )
     resolved = config.resolved()
-    assert (resolved.model.device, resolved.model.dtype) == ("cuda", "bfloat16")
+    assert (resolved.model.device, resolved.model.dtype) == ("auto", "auto")
     for pool in ("prefill", "decode"):
         engine = resolved.engine_config(pool)
-        assert engine.scheduler.max_num_batched_tokens == GPU_BATCHED_TOKENS
-        assert engine.resolved() is engine  # the replicas decide nothing again
+        assert engine.scheduler.max_num_batched_tokens is None  # decided with the device
+        assert engine.resolved().model.device == "cuda"  # where the engine is made
     assert resolved.model.path == "/models/m"  # a local path is left for the engine nodes
+
+
+def test_an_explicit_device_gets_its_token_budget_when_the_app_is_built(no_gpu):
+    config = AppConfig(ModelConfig("/m", device="cuda"), transfer=TransferConfig(transport="grpc"))
+    for pool in ("prefill", "decode"):
+        budget = config.resolved().engine_config(pool).scheduler.max_num_batched_tokens
+        assert budget == GPU_BATCHED_TOKENS
+    assert SchedulerConfig().for_device("auto").max_num_batched_tokens is None
+
+
+def test_the_caller_may_say_whether_there_is_a_gpu(no_gpu):
+    model = ModelConfig("/m", device="auto", dtype="auto")
+    assert (model.on_device(cuda=True).device, model.on_device(cuda=True).dtype) == (
+        "cuda", "bfloat16"
+    )  # fmt: skip
+    assert model.on_device(cuda=False).dtype == "float32"
+    assert ModelConfig("/m", device="cpu", dtype="auto").on_device(cuda=True).device == "cpu"
 
 
 def test_an_engine_config_resolves_by_itself(no_gpu):

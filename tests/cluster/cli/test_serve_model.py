@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from cluster.cli.main import main
-from cluster.cli.serve import _config_from_flags, _flag_app, add_serve_arguments
+from cluster.cli.serve import _config_from_flags, _flag_app, add_serve_arguments, place_apps
 from cluster.serving.vllm_metrics import served_model_name
 from tests.cluster.model.hub_cache import REPO_ID, make_hub_cache, use_hub_cache
 
@@ -67,9 +67,9 @@ def test_the_flags_reach_the_model_and_both_engine_pools(monkeypatch):
     model = config.model
     assert (model.served_name, model.revision, model.max_model_len) == ("chat", "v2", 4096)
     assert not model.cuda_graphs
-    assert (model.device, model.dtype) == ("auto", "auto")  # decided by AppConfig.resolved
+    assert (model.device, model.dtype) == ("auto", "auto")  # decided by each replica
     for pool in (config.prefill, config.decode):
-        assert pool.num_gpus == 1.0  # auto found a GPU: each engine replica takes one
+        assert pool.num_gpus == "auto"  # from the cluster's nodes, not this machine's GPU
         assert (pool.cache.num_blocks, pool.cache.gpu_memory_utilization) == (900, 0.8)
         assert pool.cache.kv_cache_memory == 2 << 30
         assert (pool.scheduler.max_num_seqs, pool.scheduler.max_num_batched_tokens) == (64, 2048)
@@ -82,7 +82,7 @@ def test_without_flags_the_pool_and_budget_are_sized_by_the_device(monkeypatch):
     config = _config_from_flags(flags("--model", "/models/m"))
     assert config.model.cuda_graphs  # decode replays CUDA graphs where it runs on a GPU
     assert config.stream_interval == 1  # each token as soon as it exists
-    assert config.decode.num_gpus == 0.0 and config.decode.cache.num_blocks is None
+    assert config.decode.num_gpus == "auto" and config.decode.cache.num_blocks is None
     assert config.decode.scheduler.max_num_batched_tokens is None
 
 
@@ -91,3 +91,31 @@ def test_a_bad_kv_cache_memory_flag_is_refused_by_the_parser(bad, capsys):
     with pytest.raises(SystemExit):
         flags("--kv-cache-memory", bad)
     assert "size in bytes" in capsys.readouterr().err
+
+
+# A CPU-only head joining a cluster whose engine nodes have GPUs (deploy/aws/cluster.yaml's shape,
+# as `ray.nodes()` reports it).
+HEAD = {"CPU": 8.0, "memory": 3e10, "node:10.0.0.1": 1.0, "node:__internal_head__": 1.0}
+GPU_NODE = {"CPU": 192.0, "GPU": 8.0, "memory": 1e12, "accelerator_type:H100": 1.0}
+
+
+def test_serve_address_auto_from_a_cpu_head_asks_the_engine_nodes_gpus(monkeypatch):
+    import torch
+
+    from cluster.serving.app import deployment_options, deployment_pools
+    from cluster.serving.gpu_placement import ClusterView
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this head has none
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    args = flags("--address", "auto", "--model", "/models/m")  # a path on the engine nodes
+    apps = _flag_app(args)
+    (config,) = place_apps(apps, ClusterView((HEAD, GPU_NODE, GPU_NODE))).values()
+    assert (config.model.device, config.model.dtype) == ("auto", "auto")  # the replicas decide
+    gpus = {
+        name: deployment_options(name, config.pool(pool))["ray_actor_options"]["num_gpus"]
+        for name, pool in deployment_pools(config).items()
+    }
+    assert gpus == {"Router": 0.0, "Prefill": 1.0, "Decode": 1.0}
+    # The same flags on an all-CPU cluster: the engines ask for none, and run on the CPU.
+    (cpu_only,) = place_apps(apps, ClusterView((HEAD, {"CPU": 16.0}))).values()
+    assert (cpu_only.prefill.num_gpus, cpu_only.decode.num_gpus) == (0.0, 0.0)

@@ -130,7 +130,8 @@ def test_status_shows_a_replica_still_loading():
     rows = {
         line.split()[1]: line.split() for line in lines if line.startswith(("decode", "prefill"))
     }
-    assert rows["d1"][-1] == "loading" and rows["d1"][2] == "0"
+    kv_total = header.split().index("kv")  # "kv total": the first "kv" column
+    assert rows["d1"][-1] == "loading" and rows["d1"][kv_total] == "0"
     assert rows["d0"][-1] == "ready"
     assert rows["p0"][-1] == "ready"  # a server from before the field lists ready replicas only
     out = io.StringIO()

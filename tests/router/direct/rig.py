@@ -11,7 +11,7 @@ import grpc
 
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.direct import GrpcServer, service_methods
+from router.direct import Admission, DirectLimits, GrpcServer, service_methods
 from router.router import GENERATION, Router
 from tests.router.fake_service import FakeService
 
@@ -27,18 +27,20 @@ class Servicer:
     Generate = Router.Generate
     GetModelInfo = Router.GetModelInfo
 
-    def __init__(self, service) -> None:
+    def __init__(self, service, admission: Admission | None = None) -> None:
         self.orch = service
+        self.admission = admission or Admission(1024, 4096)
 
     async def GetStats(self, request, context):
         raise RuntimeError("no code set")
 
 
 @asynccontextmanager
-async def serving(service):
-    """`service` behind a started endpoint; its "host:port"."""
-    endpoint = GrpcServer("127.0.0.1")
-    await endpoint.start(service_methods(GENERATION, Servicer(service)))
+async def serving(service, limits: DirectLimits | None = None, admission: Admission | None = None):
+    """`service` behind a started endpoint (`limits`, and the router's `admission` shared by
+    the endpoint and the servicer's `Generate`); its "host:port"."""
+    endpoint = GrpcServer("127.0.0.1", limits=limits, admission=admission)
+    await endpoint.start(service_methods(GENERATION, Servicer(service, admission)))
     try:
         yield endpoint.endpoint
     finally:

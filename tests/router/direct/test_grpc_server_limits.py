@@ -11,9 +11,7 @@ import pytest
 from h2.settings import SettingCodes
 
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
-from router.direct import GrpcServer, grpc_connection, service_methods
-from router.direct.grpc_call import MAX_REQUEST_BYTES
-from router.direct.grpc_connection import MAX_HEADER_LIST_BYTES
+from router.direct import DirectLimits, GrpcServer, service_methods
 from router.router import GENERATION
 from tests.router.direct.h2_client import RawClient, frame, grpc_headers
 from tests.router.direct.rig import (
@@ -25,6 +23,9 @@ from tests.router.direct.rig import (
     until,
 )
 from tests.router.fake_service import FakeService
+
+MAX_REQUEST_BYTES = DirectLimits().max_request_bytes
+MAX_HEADER_LIST_BYTES = DirectLimits().max_header_list_bytes
 
 
 def test_a_request_over_the_size_limit_is_refused():
@@ -41,15 +42,14 @@ def test_a_request_over_the_size_limit_is_refused():
     assert b"limit" in answer.headers[b"grpc-message"]
 
 
-def test_a_stream_over_the_connections_limit_closes_it(monkeypatch):
-    """`MAX_STREAMS` calls run at once on one connection; the next stream is a protocol error
+def test_a_stream_over_the_connections_limit_closes_it():
+    """`max_streams` calls run at once on one connection; the next stream is a protocol error
     that closes the connection, and every generation on it is closed."""
-    monkeypatch.setattr(grpc_connection, "MAX_STREAMS", 8)
 
     async def go():
         fake = FakeService()
         fake.hang_after_first = True
-        async with serving(fake) as endpoint:
+        async with serving(fake, DirectLimits(max_streams=8)) as endpoint:
             # no read before the 9th stream: the client has not seen the server's limit
             client = await RawClient.connect(endpoint)
             for _ in range(8):
@@ -67,9 +67,9 @@ def test_a_stream_over_the_connections_limit_closes_it(monkeypatch):
 
 
 def test_a_header_list_over_the_limit_closes_the_connection():
-    """A request whose headers come to more than `MAX_HEADER_LIST_BYTES` closes the connection
+    """A request whose headers come to more than `max_header_list_bytes` closes the connection
     (the limit the server advertises, not h2's larger default); one just under is served."""
-    under = b"x" * (MAX_HEADER_LIST_BYTES - 1024)
+    under = b"x" * (MAX_HEADER_LIST_BYTES - 1024)  # the other headers fit in 1 KiB
     over = b"x" * MAX_HEADER_LIST_BYTES
 
     async def go():

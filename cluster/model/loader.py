@@ -26,8 +26,8 @@ from cluster.model.rope import RotaryEmbedding
 
 def load_model(config: ModelConfig) -> LoadedModel:
     config = config.on_device()
+    info = describe_model(config)  # refuses an unsupported checkpoint before any weights
     files = weight_files(checkpoint_dir(config))  # a hub id's download, on this replica's node
-    info = describe_model(config)
     spec = info.spec
     device = torch.device(config.device)
     with torch.device("meta"):

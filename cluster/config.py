@@ -211,8 +211,8 @@ class TransferConfig:
 
     `secret` keys the HMAC capability tokens; every worker of one cluster must share it (the app
     builder generates one when it is empty). `host` is the address the prefill worker's KV
-    server, and the router's token stream server, bind and advertise ("auto" = this node's
-    Ray address); port 0 picks a free port (the token stream server always picks one).
+    server, the router's token stream server and direct endpoint bind and advertise ("auto" =
+    this node's Ray address, never a wildcard); port 0 picks a free port (token streams: always).
 
     `transport` "auto" is decided when the app is built (`AppConfig.resolved`): "nixl" where
     NIXL imports and two agents move bytes to each other, else "grpc". `checksum` adds a
@@ -237,13 +237,13 @@ class TransferConfig:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if min(self.lease_seconds, self.fetch_timeout_seconds, self.channel_idle_seconds) <= 0:
-            raise ConfigError(
-                "lease_seconds, fetch_timeout_seconds and channel_idle_seconds must be positive"
-            )
+            raise ConfigError("lease_seconds, fetch_timeout_seconds, channel_idle_seconds: > 0")
         if not 4096 <= self.max_chunk_bytes <= 64 << 20:
             raise ConfigError("max_chunk_bytes must be in [4 KiB, 64 MiB]")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port out of range: {self.port}")
+        if self.host in ("", "0.0.0.0", "::"):  # internal servers never face every network
+            raise ConfigError("host: this node's cluster address or auto, not every interface")
 
 
 def resolve_host(host: str) -> str:

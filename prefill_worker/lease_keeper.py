@@ -15,7 +15,8 @@ of:
       after it, is dropped by the worker and never granted;
   (d) the lease expires (`expire_now`, run every interval by the expiry task): the last
       resort, for a release that never came.
-Then the keeper counts the reason (`ended`) and frees them on the engine thread (`Engine.release`);
+Then the keeper counts the reason (`ended`), tells its `on_end` listeners (a NIXL sender drops
+a reader's access with its last lease) and frees them on the engine thread (`Engine.release`);
 `release` returns once the lease is ended, without waiting for the engine thread to get to
 the free (a busy engine is between steps only now and then), and `outstanding` / `drain`
 count the lease until its blocks are free. A fetch brackets its reads with `begin_fetch` /
@@ -80,6 +81,7 @@ class LeaseKeeper:
         self.cancelled = CancelledIds(lease_seconds, max_cancelled_ids, clock)
         self._frees: set[asyncio.Task] = set()
         self._expiry_task: asyncio.Task | None = None
+        self._end_listeners: list[Callable[[str], None]] = []
         self._empty = asyncio.Event()
         self._empty.set()
 
@@ -119,7 +121,7 @@ class LeaseKeeper:
             raise Unauthenticated(f"bad capability token for request {request_id!r}")
         if self.clock() >= lease.expiry:
             if lease.fetches == 0:
-                self._end(lease, "expired")
+                self._end(request_id, lease, "expired")
                 await self._free(request_id, lease)
             raise NotFound(f"the KV lease of request {request_id!r} expired")
         lease.fetches += 1
@@ -149,7 +151,7 @@ class LeaseKeeper:
             return False
         if token is not None and not _same_token(lease.token, token):
             raise Unauthenticated(f"bad capability token for request {request_id!r}")
-        self._end(lease, reason)
+        self._end(request_id, lease, reason)
         if lease.fetches == 0:  # else end_fetch frees the blocks
             self._free_soon(request_id, lease)
         return True
@@ -179,7 +181,7 @@ class LeaseKeeper:
         freed = 0
         for rid, lease in due:
             if lease.freeing is None and lease.fetches == 0:  # unchanged while we awaited
-                self._end(lease, "expired")
+                self._end(rid, lease, "expired")
                 await self._free(rid, lease)
                 freed += 1
         return freed
@@ -204,10 +206,20 @@ class LeaseKeeper:
             if not self._leases:
                 self._empty.set()
 
-    def _end(self, lease: _Lease, reason: str) -> None:
-        """Decide a lease's end (once): no fetch may begin after this; counted by reason."""
+    def on_end(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(request_id)` as each lease ends (`LeasePins.on_end`)."""
+        self._end_listeners.append(listener)
+
+    def _end(self, request_id: str, lease: _Lease, reason: str) -> None:
+        """Decide a lease's end (once): no fetch may begin after this; counted by reason, and
+        told to the `on_end` listeners."""
         lease.freeing = reason
         self.ended[reason] += 1
+        for listener in self._end_listeners:
+            try:
+                listener(request_id)
+            except Exception:  # a listener's bug must not keep the lease's blocks
+                log.exception("KV lease end listener failed")
 
     def _free_soon(self, request_id: str, lease: _Lease) -> None:
         self._track(self._free(request_id, lease))

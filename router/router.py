@@ -4,7 +4,9 @@ proxy), all calling one `Orchestrator` through the `GenerationService` interface
 (router/generation_service.py), and the token stream server the workers send tokens to.
 
 The direct endpoint serves `pdserve.v1.Generation` with the same methods as the proxy, on
-`transfer.host`, at `router.grpc_port` (0: a free port), unless `router.direct_grpc` is off.
+`transfer.host`, at `router.grpc_port` (0: a free port), unless `router.direct_grpc` is off;
+over TLS with `router.tls_cert_file`. With `router.api_keys`, every gRPC method and HTTP route
+(but /health) first checks the caller's key (router/api_key_auth.py).
 Why, and what Serve does not see of it: docs/architecture.md, "The channels around Serve"."""
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from cluster.config import resolve_host
 from cluster.errors import PdServeError, ResourceExhausted
 from cluster.model.info import describe_model
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.serving.api_keys import ApiKeys
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.stats_registry import registry
 from cluster.serving.vllm_metrics import served_model_name
+from router.api_key_auth import ApiKeyAuth, check_call
 from router.body_limit import BodyLimit, body_limit_bytes
 from router.direct import Admission, GrpcServer, service_methods
+from router.direct_tls import direct_tls
 from router.endpoint_reporter import EndpointReporter
 from router.grpc_api import generate_responses, model_info_to_proto, stats_to_proto
 from router.openai_api import install_error_handlers, openai_routes
@@ -44,6 +49,8 @@ DIRECT_GRACE_S = 10.0
 class Router:
     async def __init__(self, config: AppConfig, prefill, decode, colocated) -> None:
         host = resolve_host(config.transfer.host)
+        self.keys = ApiKeys(config.router.api_keys)
+        tls = direct_tls(config.router.tls_cert_file, config.router.tls_key_file)  # fails early
         self.tokens = TokenStreamServer(host)
         await self.tokens.start()
         self.orch = Orchestrator(
@@ -62,7 +69,7 @@ class Router:
         self.direct: GrpcServer | None = None
         if config.router.direct_grpc:
             self.direct = GrpcServer(host, config.router.grpc_port, admission=self.admission)
-            await self.direct.start(service_methods(GENERATION, self))
+            await self.direct.start(service_methods(GENERATION, self), ssl=tls)
         self.report = EndpointReporter(
             registry(config.name),
             str(serve.get_replica_context().replica_id.unique_id),
@@ -77,6 +84,7 @@ class Router:
         install_error_handlers(app)
         limit = body_limit_bytes(self.orch.prompts.max_prompt_bytes)
         app.add_middleware(BodyLimit, limit=limit)
+        app.add_middleware(ApiKeyAuth, keys=self.keys)  # last added: runs first
         return app
 
     # -- gRPC: pdserve.v1.Generation -------------------------------------------------------
@@ -85,6 +93,7 @@ class Router:
         self, request: pb.GenerateRequest, grpc_context
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            check_call(self.keys, grpc_context)  # before a slot: a refused caller queues for none
             async with self.admission.slot(grpc_context):
                 async with aclosing(generate_responses(request, self.orch)) as responses:
                     async for response in responses:
@@ -100,10 +109,16 @@ class Router:
         return self.direct.endpoint if self.direct is not None else ""
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context) -> pb.ModelInfo:
+        try:
+            check_call(self.keys, grpc_context)
+        except Exception as e:
+            _fail(grpc_context, e)
+            raise
         return model_info_to_proto(self.orch.model)
 
     async def GetStats(self, request: pb.GetStatsRequest, grpc_context) -> pb.ClusterStats:
         try:
+            check_call(self.keys, grpc_context)
             return stats_to_proto(await self.orch.stats())
         except Exception as e:
             _fail(grpc_context, e)

@@ -94,10 +94,11 @@ ARCHS: dict[str, tuple[type, type[PreTrainedModel], dict]] = {
 }
 
 
-def build_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
-    """Save a random-weight `arch` checkpoint with transformers' own classes."""
+def build_checkpoint(arch: str, out: Path, seed: int = 0, **shape) -> Path:
+    """Save a random-weight `arch` checkpoint with transformers' own classes; `shape` overrides
+    fields of TINY_SHAPE."""
     config_cls, model_cls, extra = ARCHS[arch]
-    config = config_cls(**TINY_SHAPE, **extra, architectures=[model_cls.__name__])
+    config = config_cls(**{**TINY_SHAPE, **shape}, **extra, architectures=[model_cls.__name__])
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import uuid
+from pathlib import Path
 
 from cluster.cli.engine_flags import add_device_arguments
 from cluster.config import ModelConfig
@@ -34,6 +35,14 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="call a router's own gRPC endpoint, listed by GetStats through --target, not "
         "Serve's proxy (default: the proxy; --target itself when none is listed)",
+    )
+    p.add_argument(
+        "--direct-tls-ca",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="with --direct: the endpoints serve TLS, signed by this CA (router.tls_cert_file; "
+        "default: plaintext). The key, if the cluster wants one: $PDSERVE_API_KEY",
     )
     p.add_argument(
         "--application",
@@ -115,7 +124,7 @@ def _remote(args: argparse.Namespace, token_ids: list[int] | None) -> int:
     last = None
     try:
         client = (
-            GenerationClient.direct(args.target, args.application)
+            GenerationClient.direct(args.target, args.application, tls_ca=_ca(args))
             if args.direct
             else GenerationClient(args.target, args.application)
         )
@@ -143,6 +152,16 @@ def _remote(args: argparse.Namespace, token_ids: list[int] | None) -> int:
     }
     print(json.dumps({**result, **logprobs_json(ids, scored, args.logprobs)}))
     return 0
+
+
+def _ca(args: argparse.Namespace) -> bytes | None:
+    """The CA of `--direct-tls-ca`, read; None for plaintext."""
+    if args.direct_tls_ca is None:
+        return None
+    try:
+        return args.direct_tls_ca.read_bytes()
+    except OSError as e:
+        raise SystemExit(f"--direct-tls-ca {args.direct_tls_ca}: {e.strerror}") from None
 
 
 def local_model(args: argparse.Namespace) -> ModelConfig:

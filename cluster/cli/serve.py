@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from cluster.cli.auth_flags import add_auth_arguments, auth_fields
 from cluster.cli.chat_flags import add_chat_arguments, chat_fields
 from cluster.cli.engine_flags import (
     add_engine_arguments,
@@ -103,6 +104,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="send one request once it is up")
     p.add_argument("--exit", action="store_true", help="shut down after deploying (and --demo)")
     add_chat_arguments(p)
+    add_auth_arguments(p)
     _add_autoscaling_arguments(p)
 
 
@@ -187,7 +189,7 @@ def serve_main(args: argparse.Namespace) -> int:
     print(f"  HTTP   http://{host}:{http_port}/v1  (OpenAI-compatible)")
     print(f"  Ray dashboard  http://{dashboard}  (Serve tab: per-pool replicas)")
     if args.demo:
-        _demo(f"{host}:{grpc_port}")
+        _demo(f"{host}:{grpc_port}", args.api_key[0] if args.api_key else None)
     if args.exit:
         serve.shutdown()
         return 0
@@ -280,6 +282,7 @@ def _config_from_flags(args: argparse.Namespace) -> AppConfig:
         mode=args.mode,
         stream_interval=args.stream_interval,
         **chat_fields(args),
+        router=replace(base.router, **auth_fields(args)),
         prefill=replace(
             base.prefill,
             replicas=args.prefill_replicas,
@@ -373,7 +376,7 @@ def read_serve_file(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _demo(target: str) -> None:
+def _demo(target: str, api_key: str | None) -> None:
     from cluster.client.generation_client import GenerationClient
     from cluster.pb.pdserve.v1 import generation_pb2 as pb
 
@@ -381,7 +384,7 @@ def _demo(target: str) -> None:
     sampling = pb.SamplingParams(max_tokens=24, temperature=0.0)
     print(f"\ndemo request over gRPC: {prompt!r}")
     text, last = [], None
-    with GenerationClient(target) as client:
+    with GenerationClient(target, api_key=api_key) as client:
         for msg in client.generate(pb.GenerateRequest(prompt=prompt, sampling=sampling)):
             text.append(msg.text)
             last = msg

@@ -1,12 +1,14 @@
 """`GenerationClient`: a blocking client of the public gRPC API (`pdserve.v1.Generation`),
 through Serve's gRPC proxy or straight to the routers' own endpoints (`GenerationClient.direct`),
 and what the asyncio load generator shares with it: the application metadata Serve's gRPC proxy
-routes by, the routers' endpoints `GetStats` lists, the finish reasons' names, and logprobs in
-the shared vocabulary."""
+routes by and the API key (`authorization: Bearer KEY`, given or `$PDSERVE_API_KEY`), the
+routers' endpoints `GetStats` lists, the finish reasons' names, and logprobs in the shared
+vocabulary."""
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -22,10 +24,19 @@ FINISH_REASONS = {
 }
 
 
-def app_metadata(application: str | None) -> tuple[tuple[str, str], ...]:
-    """Serve's gRPC proxy picks the application by this metadata key (needed when a Serve
-    instance runs more than one)."""
-    return (("application", application),) if application else ()
+# A cluster's client API key (router.api_keys), sent when no key is given; as the server's.
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+def app_metadata(
+    application: str | None, api_key: str | None = None
+) -> tuple[tuple[str, str], ...]:
+    """Serve's gRPC proxy picks the application by the `application` key (needed when a Serve
+    instance runs more than one); a cluster with API keys wants `authorization: Bearer KEY`:
+    `api_key`, or when it is None `$PDSERVE_API_KEY` ("": send none)."""
+    key = os.environ.get(API_KEY_ENV, "").strip() if api_key is None else api_key
+    metadata = (("application", application),) if application else ()
+    return metadata + ((("authorization", f"Bearer {key}"),) if key else ())
 
 
 def token_logprobs(msg: pb.GenerateResponse) -> list[TokenLogprobs]:
@@ -46,26 +57,46 @@ class GenerationClient:
     """`Generate`, `GetModelInfo` and `GetStats` on a Serve gRPC proxy (`target`, host:port),
     for `application` when the Serve instance runs several; or, given several targets (the
     routers' direct endpoints: `direct`), on each in turn, one call each (round robin). Calls
-    raise `grpc.RpcError` with the documented status codes."""
+    raise `grpc.RpcError` with the documented status codes. With `tls_ca` (PEM bytes of the
+    CA that signed the targets' certificates) the channels are TLS."""
 
-    def __init__(self, target: str | Sequence[str], application: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str | Sequence[str],
+        application: str | None = None,
+        api_key: str | None = None,
+        tls_ca: bytes | None = None,
+    ) -> None:
         self.targets = [target] if isinstance(target, str) else list(target)
         if not self.targets:
             raise ValueError("GenerationClient needs a target")
-        self.channels = [grpc.insecure_channel(t) for t in self.targets]
+        if tls_ca is None:
+            self.channels = [grpc.insecure_channel(t) for t in self.targets]
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_ca)
+            self.channels = [grpc.secure_channel(t, creds) for t in self.targets]
         self.stubs = [pb_grpc.GenerationStub(c) for c in self.channels]
         self._turn = itertools.cycle(self.stubs)
-        self.metadata = app_metadata(application)
+        self.metadata = app_metadata(application, api_key)
 
     @classmethod
-    def direct(cls, target: str, application: str | None = None) -> GenerationClient:
+    def direct(
+        cls,
+        target: str,
+        application: str | None = None,
+        api_key: str | None = None,
+        tls_ca: bytes | None = None,
+    ) -> GenerationClient:
         """A client of the routers' own gRPC endpoints, bypassing Serve's proxy (about 2.5x
         less CPU per streamed token; docs/api.md): reads `GetStats` through `target` and
         spreads calls over the endpoints it lists; over `target` itself when none is listed.
-        Endpoints of routers that start later are not picked up; make a new client."""
-        with cls(target, application) as proxy:
+        Endpoints of routers that start later are not picked up; make a new client. `tls_ca`:
+        the endpoints serve TLS (`router.tls_cert_file`); the proxy at `target` is plaintext."""
+        with cls(target, application, api_key) as proxy:
             endpoints = router_endpoints(proxy.stats())
-        return cls(endpoints or target, application)
+        if not endpoints:
+            return cls(target, application, api_key)
+        return cls(endpoints, application, api_key, tls_ca)
 
     def _next(self) -> pb_grpc.GenerationStub:
         """The stub the next call goes to (round robin)."""

@@ -32,12 +32,15 @@ from cluster.engine.model_runner import ModelRunner
 from cluster.engine.output_processor import OutputProcessor
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence, SequenceStatus
+from cluster.engine.tp_runner import TPModelRunner
 from cluster.errors import (
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PdServeError,
     ResourceExhausted,
 )
+from cluster.model.decoder import CausalLM
 from cluster.model.info import ArchSpec
 from cluster.model.loader import LoadedModel, load_model
 from cluster.request import FinishReason, Request, RequestOutput, StepOutput, TokenLogprobs
@@ -68,24 +71,23 @@ class Engine:
         self.tokenizer = self.info.tokenizer
         self.device = torch.device(config.model.device)
         self.max_model_len = self.info.max_model_len
-        self.layout = KVLayout(
-            model_id=self.info.model_id,
-            dtype=config.model.dtype,
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            block_size=config.cache.block_size,
-        )
+        # At TP > 1 this is rank 0 of its replica (`cluster.engine.tp_replica`): its pool holds
+        # its shard's KV heads, and every rank's pool has the number of blocks chosen here.
+        tp = self.loaded.model.tp
+        self.layout = kv_layout(self.info.model_id, self.loaded.model, config)
         num_blocks = kv_pool_blocks(
             config.cache, self.layout.block_bytes, self.device, _activation_bytes(spec, config)
         )
+        num_blocks = tp.broadcast_object(num_blocks)
         self.kv_cache = KVCache(self.layout, num_blocks, config.model.torch_dtype, self.device)
         blocks = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, blocks)  # the block manager's only caller
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.device)
-        if config.model.cuda_graphs and self.runner.varlen_attention is not None:
+        runner = ModelRunner if tp.world_size == 1 else TPModelRunner
+        self.runner = runner(self.loaded.model, self.kv_cache, self.device)
+        graphs = config.model.cuda_graphs and tp.world_size == 1
+        if graphs and self.runner.varlen_attention is not None:
             self.runner.graphs = capture_decode_graphs(
                 self.loaded.model,
                 self.kv_cache,
@@ -117,7 +119,10 @@ class Engine:
         """Reserve free blocks for the prompt KV of `request`, computed elsewhere, and return
         them in token order; a KV transport writes them (off the engine thread: nothing else
         touches them) before `finish_import`. Until then the sequence is IMPORTING: never
-        scheduled, freed by `abort`. Raises InvalidArgument / ResourceExhausted."""
+        scheduled, freed by `abort`. Raises InvalidArgument / ResourceExhausted, and
+        FailedPrecondition at TP > 1: a transport would write rank 0's heads only."""
+        if self.loaded.model.tp.world_size > 1:
+            raise FailedPrecondition("KV import into a tensor-parallel engine is not supported")
         seq = self._new_sequence(request)
         if not self.scheduler.reserve_import(seq):
             n = self.scheduler.blocks_for(seq.num_context_tokens)
@@ -330,6 +335,18 @@ class Engine:
             for out in self.step():
                 results[out.request_id].add(out)
         return list(results.values())
+
+
+def kv_layout(model_id: str, model: CausalLM, config: EngineConfig) -> KVLayout:
+    """The layout of this rank's KV pool: its shard's KV heads (all of them at TP 1)."""
+    return KVLayout(
+        model_id=model_id,
+        dtype=config.model.dtype,
+        num_layers=model.spec.num_layers,
+        num_kv_heads=model.shard.local_kv_heads,
+        head_dim=model.spec.head_dim,
+        block_size=config.cache.block_size,
+    )
 
 
 def _is_bug(exc: Exception) -> bool:

@@ -46,6 +46,44 @@ class Sampled:
 
 
 @dataclass(frozen=True)
+class StepInputs:
+    """What the forward pass of one step needs to know of its batch, in plain lists: all a
+    tensor-parallel follower rank is sent (`to_wire`, msgpack), once per step."""
+
+    token_ids: list[int]  # [T] the new tokens, sequences back to back
+    starts: list[int]  # per sequence: the position of its first new token
+    lens: list[int]  # per sequence: how many new tokens
+    block_tables: list[list[int]]
+    samples: list[bool]  # per sequence: whether its last new token samples
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledSeq]) -> StepInputs:
+        ids: list[int] = []
+        for s in scheduled:
+            ids.extend(s.seq.token_ids[s.start : s.start + s.num_tokens])
+        return cls(
+            ids,
+            [s.start for s in scheduled],
+            [s.num_tokens for s in scheduled],
+            [s.seq.block_table for s in scheduled],
+            [s.samples for s in scheduled],
+        )
+
+    def to_wire(self) -> list:
+        return [self.token_ids, self.starts, self.lens, self.block_tables, self.samples]
+
+    @classmethod
+    def from_wire(cls, msg: list) -> StepInputs:
+        """Checks the shape of the message: one entry per sequence in each per-sequence list,
+        as many tokens as the lengths say."""
+        ids, starts, lens, tables, samples = msg
+        n = len(starts)
+        if not (len(lens) == len(tables) == len(samples) == n) or sum(lens) != len(ids):
+            raise PdServeError("malformed step message from the TP leader")
+        return cls(ids, starts, lens, tables, samples)
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -70,27 +108,24 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by the engine once they are captured
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
-        ids: list[int] = []
+        return self.prepare_inputs(StepInputs.of(scheduled), [s for s in scheduled if s.samples])
+
+    def prepare_inputs(self, step: StepInputs, samplers: list[ScheduledSeq]) -> ForwardBatch:
+        """The step's tensors; `samplers` are the sampling sequences (none on a TP follower)."""
+        ids = step.token_ids
         positions: list[int] = []
         slots: list[int] = []
         starts: list[int] = []
         bs = self.block_size
-        for s in scheduled:
-            starts.append(len(ids))
-            span = range(s.start, s.start + s.num_tokens)
-            ids.extend(s.seq.token_ids[s.start : s.start + s.num_tokens])
+        for start, n, table in zip(step.starts, step.lens, step.block_tables, strict=True):
+            starts.append(len(positions))
+            span = range(start, start + n)
             positions.extend(span)
-            table = s.seq.block_table
             slots.extend([table[p // bs] * bs + p % bs for p in span])
-        samplers = [s for s in scheduled if s.samples]
-        rows = [starts[i] + s.num_tokens - 1 for i, s in enumerate(scheduled) if s.samples]
+        rows = [starts[i] + n - 1 for i, n in enumerate(step.lens) if step.samples[i]]
         if self.varlen_attention is not None:
             varlen = build_varlen_batch(
-                starts,
-                [s.num_tokens for s in scheduled],
-                [s.start for s in scheduled],
-                [s.seq.block_table for s in scheduled],
-                self.device,
+                starts, step.lens, step.starts, step.block_tables, self.device
             )
             ids_t, positions_t, slots_t, rows_t = _to_device(
                 self.device, ids, positions, slots, rows
@@ -99,22 +134,22 @@ class ModelRunner:
             return ForwardBatch(ids_t, positions_t, meta, rows_t, samplers)
         # One query per sequence (decode, or a one-token prefill chunk) attends through the
         # decode path; in a batch with no prefill group its rows are 0..T-1 in order.
-        dec = [i for i, s in enumerate(scheduled) if s.num_tokens == 1]
-        pre = [i for i, s in enumerate(scheduled) if s.num_tokens > 1]
+        dec = [i for i, n in enumerate(step.lens) if n == 1]
+        pre = [i for i, n in enumerate(step.lens) if n > 1]
         decode = prefill = None
         if dec:
             decode = build_decode_group(
                 [starts[i] for i in dec],
-                [scheduled[i].start for i in dec],
-                [scheduled[i].seq.block_table for i in dec],
+                [step.starts[i] for i in dec],
+                [step.block_tables[i] for i in dec],
                 self.device,
             )
         if pre:
             prefill = build_prefill_group(
                 [starts[i] for i in pre],
-                [scheduled[i].num_tokens for i in pre],
-                [scheduled[i].start for i in pre],
-                [scheduled[i].seq.block_table for i in pre],
+                [step.lens[i] for i in pre],
+                [step.starts[i] for i in pre],
+                [step.block_tables[i] for i in pre],
                 self.block_size,
                 self.sliding_window,
                 self.device,
@@ -142,12 +177,20 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(scheduled):
             return self._sample(self.graphs.run(scheduled), scheduled)
         batch = self.prepare(scheduled)
+        logits = self.forward(batch)
+        if logits is None:
+            return Sampled([], [], {})
+        return self._sample(logits, batch.samplers)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Run the batch; the logits of its sampling rows `[S, vocab]`, None where none samples."""
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers(), batch.attention
         )
-        if not batch.samplers:
-            return Sampled([], [], {})
-        return self._sample(self.model.logits(hidden[batch.sample_rows]), batch.samplers)
+        if batch.sample_rows.shape[0] == 0:
+            return None
+        return self.model.logits(hidden[batch.sample_rows])
 
     def _sample(
         self,

@@ -123,7 +123,8 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    digits = port.isascii() and port.isdigit() and len(port) <= 5  # not "²" nor "٣"
+    if not sep or not host or not digits or not 0 < int(port) < 65536:
         raise InvalidArgument(f"KV endpoint must be host:port, got {endpoint!r}")
     return host, int(port)
 

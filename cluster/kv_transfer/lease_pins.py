@@ -1,8 +1,8 @@
 """What a transport's sender gets from the prefill worker's KV server: `LeasePins`, the small
 lease protocol it pins leases through (the prefill worker's `LeaseKeeper` implements it), and
-`SenderParts`; with the checks every sender makes before reading a lease (`pin`), the status a
-refusal becomes (`abort`), and the generated handlers of `pdserve.v1.KVTransfer` methods
-(`generated_handlers`).
+`SenderParts`; with the checks every sender makes before reading a lease (`pin`) or handing
+out a way to read the pool (`check_live`), the status a refusal becomes (`abort`), and the
+generated handlers of `pdserve.v1.KVTransfer` methods (`generated_handlers`).
 
 A pin (`begin_fetch`) keeps a lease's blocks from being freed, reused or written until its
 `end_fetch`: expiry skips a pinned lease and a release waits for the pin to end. So a sender
@@ -11,6 +11,7 @@ may read the blocks on any thread while it holds the pin.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,6 +42,11 @@ class LeasePins(Protocol):
         """End one pin of `begin_fetch`."""
         ...
 
+    def on_end(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(request_id)` once for every lease, as it ends (released for any
+        reason, or expired): no pin of it begins after that."""
+        ...
+
 
 @dataclass(frozen=True)
 class SenderParts:
@@ -65,6 +71,19 @@ def authenticate(leases: LeasePins, handle_msg: pb.KVHandle) -> KVHandle:
     handle = KVHandle.from_proto(handle_msg)
     if not leases.capability.verify(handle.request_id, handle.block_ids, handle.capability_token):
         raise Unauthenticated("bad capability token")
+    return handle
+
+
+async def check_live(parts: SenderParts, handle_msg: pb.KVHandle) -> KVHandle:
+    """The handle, if its token is genuine (Unauthenticated) and its lease still granted
+    (NotFound once it ended or expired): the access that hands out a way to read the pool
+    (NIXL metadata, a direct channel) is bounded by a live lease. Checks; does not pin."""
+    handle = authenticate(parts.leases, handle_msg)
+    rid = handle.request_id
+    block_ids, num_tokens = await parts.leases.begin_fetch(rid, handle.capability_token)
+    parts.leases.end_fetch(rid)
+    if block_ids != list(handle.block_ids) or num_tokens != handle.num_tokens:
+        raise InvalidArgument("handle does not match its lease")
     return handle
 
 

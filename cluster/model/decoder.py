@@ -5,6 +5,11 @@ QKV bias (Qwen2), q/k RMSNorm (Qwen3), tied embeddings, sliding-window attention
 and the RoPE variant. Module attribute names follow HF so checkpoints load with no renaming;
 once loaded, `fuse_projections` joins q/k/v and gate/up into one GEMM each.
 
+Built with a `TPGroup` of k > 1 ranks, each rank's decoder holds its `TPShard` (the Megatron
+split, `cluster.model.parallel`): its query and KV heads, its intermediate columns, its rows of
+the vocabulary; o_proj and down_proj are row-parallel (one all-reduce each per layer), the
+embedding and LM head vocabulary-parallel. At TP 1 the same classes as ever, no collective.
+
 The steps between the GEMMs and attention (residual add + RMSNorm, rope + KV store, SiLU * up)
 run through a kernel set chosen per forward pass from the attention metadata: `EagerKernels`
 (torch ops; the CPU's path and the reference) or, where the runner chose Triton attention,
@@ -20,6 +25,9 @@ from torch import nn
 from cluster.model.attention import AttentionMetadata, paged_attention, store_kv
 from cluster.model.info import ArchSpec
 from cluster.model.linear import Linear
+from cluster.model.parallel.group import SINGLE, TPGroup
+from cluster.model.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from cluster.model.parallel.shard import TPShard
 from cluster.model.rms_norm import RMSNorm
 from cluster.model.rope import RopeAngles, RotaryEmbedding
 from cluster.model.triton_fused import TritonKernels
@@ -54,15 +62,25 @@ Kernels = EagerKernels | TritonKernels
 EAGER, TRITON = EagerKernels(), TritonKernels()
 
 
+def _row_parallel(in_features: int, out_features: int, bias: bool, tp: TPGroup) -> Linear:
+    """A Linear whose input features are split over the ranks (a plain one at TP 1)."""
+    if tp.world_size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ArchSpec) -> None:
+    """This rank's heads (all of them at TP 1)."""
+
+    def __init__(self, spec: ArchSpec, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
-        self.q_proj = Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
-        self.k_proj = Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.v_proj = Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.o_proj = Linear(spec.num_heads * d, h, bias=spec.o_bias)
+        self.num_heads, self.num_kv_heads = shard.local_heads, shard.local_kv_heads
+        self.head_dim = d
+        self.q_proj = Linear(h, self.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = _row_parallel(self.num_heads * d, h, spec.o_bias, tp)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
@@ -100,12 +118,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ArchSpec) -> None:
+    def __init__(self, spec: ArchSpec, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
-        h, i = spec.hidden_size, spec.intermediate_size
+        h, i = spec.hidden_size, shard.local_intermediate
         self.gate_proj = Linear(h, i, bias=spec.mlp_bias)
         self.up_proj = Linear(h, i, bias=spec.mlp_bias)
-        self.down_proj = Linear(i, h, bias=spec.mlp_bias)
+        self.down_proj = _row_parallel(i, h, spec.mlp_bias, tp)
         self.gate_up_proj: Linear | None = None  # gate and up in one GEMM, once `fuse` ran
 
     def fuse(self) -> None:
@@ -139,10 +157,10 @@ def _fused(*parts: Linear) -> Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec) -> None:
+    def __init__(self, spec: ArchSpec, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(spec)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, shard, tp)
+        self.mlp = MLP(spec, shard, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -156,23 +174,31 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ArchSpec) -> None:
+    def __init__(self, spec: ArchSpec, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        if tp.world_size == 1:
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(shard, spec.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(spec, shard, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """`forward` runs the new tokens of a batch through every layer, writing their K/V into
     `kv_caches` (one (k, v) pair of pool tensors per layer), and returns the final hidden
-    states; `logits` turns the rows that sample into vocabulary scores."""
+    states; `logits` turns the rows that sample into vocabulary scores (the whole vocabulary's,
+    on every rank). At TP > 1 every rank must run the same calls on the same batch."""
 
-    def __init__(self, spec: ArchSpec) -> None:
+    def __init__(self, spec: ArchSpec, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.spec = spec
-        self.model = DecoderModel(spec)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.spec, self.tp = spec, tp
+        self.shard = TPShard.of(spec, tp.rank, tp.world_size)
+        self.model = DecoderModel(spec, self.shard, tp)
+        if tp.world_size == 1:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(self.shard, spec.hidden_size, tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)

@@ -31,6 +31,7 @@ from cluster.config import (
 from cluster.errors import InvalidArgument
 from cluster.kv_transfer import registry
 from cluster.request import MAX_STREAM_INTERVAL
+from cluster.serving.api_keys import ClientAuth
 from cluster.serving.autoscaling import (
     DECODE_TARGETS,
     PREFILL_TARGETS,
@@ -175,13 +176,12 @@ ENGINE_FIELDS = tuple(
 
 @with_config(DICT_FORM)
 @dataclass(frozen=True)
-class RouterConfig(DeploymentConfig):
-    """The router deployment: `DeploymentConfig`'s fields (no engine settings: the router runs
-    no engine; `max_ongoing_requests` 0 = ROUTER_ONGOING) and its direct gRPC endpoint
-    (router/direct/): with `direct_grpc` each router replica also serves
-    `pdserve.v1.Generation` itself on `transfer.host`, at `grpc_port` (0 = a free port), and
-    lists it in `GetStats`. A fixed port places at most one router replica per node (Serve's
-    `max_replicas_per_node`), so no two of them bind it; replicas beyond the nodes wait."""
+class RouterConfig(ClientAuth, DeploymentConfig):
+    """The router deployment: `DeploymentConfig`'s fields (no engine: `max_ongoing_requests`
+    0 = ROUTER_ONGOING), `ClientAuth`'s (API keys, direct TLS) and its direct gRPC endpoint
+    (router/direct/): with `direct_grpc` each router replica also serves `pdserve.v1.Generation`
+    on `transfer.host`, at `grpc_port` (0 = a free port), listed in `GetStats`. A fixed port
+    puts at most one router replica per node (`max_replicas_per_node`): no two bind it."""
 
     num_cpus: float = 0.5
     num_gpus: float = 0.0  # a number: "auto" is an engine pool's
@@ -195,7 +195,7 @@ class RouterConfig(DeploymentConfig):
     }
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # ClientAuth's, then DeploymentConfig's
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port must be in 0..65535, got {self.grpc_port}")
         if self.grpc_port and not self.direct_grpc:
@@ -311,9 +311,9 @@ class AppConfig:
     def resolved(self) -> AppConfig:
         """Fill what is derived at build time: a hub id's revision (pinned to its commit,
         `cluster.model.hub.pinned`), the token budget of an explicit device, the KV transport
-        if "auto" (`auto_transport`), the capability secret (one per app) and the pools' default
-        autoscaling signals: no replica decides these again. Device and dtype "auto" (and the
-        budget) each engine replica decides where it runs (`replica_device`)."""
+        if "auto" (`auto_transport`), the capability secret (one per app), default autoscaling
+        signals, API keys (`with_keys_loaded`): no replica decides these again. Device and dtype
+        "auto" (and the budget) each engine replica decides where it runs (`replica_device`)."""
         from cluster.model.hub import pinned
 
         model = pinned(self.model)
@@ -331,7 +331,7 @@ class AppConfig:
             config = replace(config, transfer=replace(config.transfer, secret=secret))
         return replace(
             config,
-            router=config.router.with_default_targets(ROUTER_TARGETS),
+            router=config.router.with_default_targets(ROUTER_TARGETS).with_keys_loaded(),
             prefill=config.prefill.with_default_targets(PREFILL_TARGETS),
             decode=config.decode.with_default_targets(DECODE_TARGETS),
         )

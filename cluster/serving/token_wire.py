@@ -152,7 +152,7 @@ def _decode_item(item) -> tuple[bytes, WorkerChunk]:
             _bad("token_ids")
     if type(text) is not str:
         _bad("text")
-    if finish is not None and finish not in _FINISH:
+    if finish is not None and (type(finish) is not str or finish not in _FINISH):
         _bad("finish_reason")
     for n in (n_prompt, n_out, n_cached):
         if type(n) is not int or not 0 <= n < _COUNT_END:

@@ -4,10 +4,11 @@ channels around Serve"). It imports nothing else of `router` or `cluster`: the r
 method table (`service_methods(descriptor, servicer)`), and each method gets its `GrpcCall` as
 grpc's servicer context (`set_code`, `set_details`).
 
-Scope: gRPC over plaintext HTTP/2 (prior knowledge, no TLS yet), unary and server-streaming
-methods (one request message per call), no compression (a compressed request is refused
-UNIMPLEMENTED; responses go uncompressed), request metadata read for `grpc-timeout` only, a
-call's status in `grpc-status` and `grpc-message` and nothing else in its trailers.
+Scope: gRPC over plaintext HTTP/2 (prior knowledge) or TLS (`start`'s `ssl`, ALPN "h2"), unary
+and server-streaming methods (one request message per call), no compression (a compressed
+request is refused UNIMPLEMENTED; responses go uncompressed), request metadata read for
+`grpc-timeout` only (the methods see all headers: the router reads `authorization`), a call's
+status in `grpc-status` and `grpc-message` and nothing else in its trailers.
 
 Bounded, by `DirectLimits` (limits.py; defaults in brackets), each with a test in
 tests/router/direct/, grpc core's server the model:

@@ -10,6 +10,7 @@ called as `function(request, call)`, the call standing in for grpc's servicer co
 from __future__ import annotations
 
 import asyncio
+from ssl import SSLContext
 from typing import Any
 
 from google.protobuf.descriptor import ServiceDescriptor
@@ -53,8 +54,9 @@ class GrpcServer:
         self._listener: asyncio.Server | None = None
         self._connections: set[GrpcConnection] = set()
 
-    async def start(self, methods: dict[bytes, Method]) -> str:
-        """Serve `methods` (by path, as `service_methods` makes them); returns "host:port"."""
+    async def start(self, methods: dict[bytes, Method], ssl: SSLContext | None = None) -> str:
+        """Serve `methods` (by path, as `service_methods` makes them), over TLS with `ssl`
+        (its ALPN must offer "h2"); returns "host:port"."""
         # No SO_REUSEPORT: a fixed port another process holds fails here, loudly, instead of
         # sharing its connections.
         self._listener = await asyncio.get_running_loop().create_server(
@@ -62,6 +64,7 @@ class GrpcServer:
             self.host,
             self.port,
             reuse_port=False,
+            ssl=ssl,
         )
         port = self._listener.sockets[0].getsockname()[1]  # asyncio sets TCP_NODELAY
         self.endpoint = f"{self.host}:{port}"

@@ -105,7 +105,9 @@ def _run_killing(ends, deployment: str | None, when=None, victim=None, stubs=Non
     have ended and the killed replica is back."""
     streams = [_Stream(r) for r in _requests()]
     stubs = stubs or [stub(ends) for _ in streams]
-    threads = [threading.Thread(target=st.read, args=(s,)) for st, s in zip(streams, stubs)]
+    threads = [
+        threading.Thread(target=st.read, args=(s,)) for st, s in zip(streams, stubs, strict=True)
+    ]
     for t in threads:
         t.start()
     if deployment is not None:

@@ -68,13 +68,27 @@ def test_a_grant_cancelled_frees_the_prompt_instead_of_leasing_it(llama_dir: Pat
     run(main())
 
 
-def test_leases_ended_are_counted_by_reason(llama_dir: Path) -> None:
+def test_leases_ended_are_counted_by_reason_and_told_to_the_listeners_once(
+    llama_dir: Path,
+) -> None:
+    now = [0.0]
+
     async def main() -> None:
-        async with pair(llama_dir) as p:
+        async with pair(llama_dir, lease_seconds=1.0, clock=lambda: now[0]) as p:
+            told: list[str] = []
+            p.leases.on_end(told.append)
+            p.leases.on_end(lambda rid: 1 / 0)  # a broken listener costs no lease its end
             for i, reason in enumerate(["cancelled", "cancelled", "aborted", "fetched"]):
                 await p.prefill_handle(f"r{i}", prompt(20, i))
                 assert await p.leases.release(f"r{i}", reason)
-            assert p.leases.ended == {"fetched": 1, "cancelled": 2, "aborted": 1, "expired": 0}
+                assert not await p.leases.release(f"r{i}", reason)
+            await p.prefill_handle("r4", prompt(20, 4))
+            assert await p.leases.cancel("r4")
+            await p.prefill_handle("r5", prompt(20, 5))
+            now[0] = 5.0
+            assert await p.leases.expire_now() == 1
+            assert p.leases.ended == {"fetched": 1, "cancelled": 3, "aborted": 1, "expired": 1}
+            assert told == ["r0", "r1", "r2", "r3", "r4", "r5"]
 
     run(main())
 

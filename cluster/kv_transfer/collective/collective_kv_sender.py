@@ -1,6 +1,7 @@
 """`CollectiveKVSender`: the prefill side of the `gloo` and `nccl` KV transports (contract:
 `KVSender`): the OpenChannel, PushKV and CloseChannel RPCs. OpenChannel checks the handle's
-token; PushKV checks the handle and pins its lease (`lease_pins.pin`) until the send ends.
+token and that its lease is live (`check_live`); PushKV checks the handle and pins its lease
+(`lease_pins.pin`) until the send ends.
 
 `open` makes a `KVChannel` for a decode worker (this side is rank 0) and joins it in the
 background through the one rendezvous TCPStore this sender hosts; `push` queues the send of a
@@ -17,6 +18,7 @@ import functools
 import logging
 import math
 import secrets
+import socket
 
 import grpc
 import torch
@@ -36,7 +38,7 @@ from cluster.kv_transfer.kv_wire import DTYPES
 from cluster.kv_transfer.lease_pins import (
     SenderParts,
     abort,
-    authenticate,
+    check_live,
     generated_handlers,
     pin,
 )
@@ -81,7 +83,7 @@ class CollectiveKVSender(KVSender, KVTransferServicer):
         self, request: pb.OpenChannelRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenChannelResponse:
         try:
-            authenticate(self.leases, request.handle)
+            await check_live(self.parts, request.handle)
             channel_id, store_port = self.open(request.transport)
         except PdServeError as exc:
             await abort(context, exc)
@@ -163,10 +165,28 @@ class CollectiveKVSender(KVSender, KVTransferServicer):
 
     def _rendezvous_store(self) -> dist.TCPStore:
         """The TCPStore every channel of this sender rendezvouses in (one port, created on the
-        first open; it listens on all interfaces)."""
+        first open). It listens on `host` only: left to itself a TCPStore listens on every
+        interface, so it is handed a socket bound here (the store owns and closes it)."""
         if self._store is None:
             timeout = datetime.timedelta(seconds=self.timeout_s)
-            self._store = dist.TCPStore(self.host, 0, None, True, timeout, wait_for_workers=False)
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                listener.bind((self.host, 0))
+                listener.listen()
+                port = listener.getsockname()[1]
+            except OSError:
+                listener.close()
+                raise
+            self._store = dist.TCPStore(
+                self.host,
+                port,
+                None,
+                True,
+                timeout,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
         return self._store
 
     async def _join(self, channel: KVChannel, store: dist.TCPStore) -> bool:

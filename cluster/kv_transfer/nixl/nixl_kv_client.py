@@ -1,13 +1,19 @@
 """`NixlKVClient`: the decode worker's end of the `nixl` KV transport (contract: `KVClient`).
 
 The decode engine's whole KV pool is registered with a NIXL agent when the client is made
-(`NixlPool`). Per prefill endpoint, once: `ConnectNixl` (authorized by the handle's capability
-token) returns the prefill agent's metadata and its pool's geometry, which `NixlPool.add_peer`
-checks against our layout before building the peer's descriptors. Per transfer: `HoldKV` pins
-the lease (the server checks token, layouts and lease exactly as for `FetchKV`), then one READ
-moves the K and V of every layer of the handle's blocks from the prefill pool straight into the
-blocks the caller reserved (`fetch_into`): no copy through Python bytes, no gRPC data stream.
-The hold ends (the call is cancelled) only once the READ is complete.
+(`NixlPool`). Per prefill endpoint, against a live lease: `ConnectNixl` (authorized by the
+handle's token and lease) returns the prefill agent's metadata and its pool's geometry, which
+`NixlPool.add_peer` checks against our layout before building the peer's descriptors. Per
+transfer: `HoldKV` pins the lease (the server checks token, layouts and lease exactly as for
+`FetchKV`), then one READ moves the K and V of every layer of the handle's blocks from the
+prefill pool straight into the blocks the caller reserved (`fetch_into`): no copy through
+Python bytes, no gRPC data stream. The hold ends (the call is cancelled) only once the READ is
+complete.
+
+The pair's connection lasts as long as our leases with that endpoint (`leases`: from a
+transfer's start to its `release`, or its failure): when the last one ends the peer is removed
+(`remove_remote_agent`: its UCX endpoints and unpacked keys go), as the server drops our access
+(`NixlKVSender`); a hold the server refuses for that reason (ABORTED) connects again, once.
 
 All agent calls run on one worker thread, one at a time (the agent is not thread-safe); a READ
 of a 2k-token prompt is tens of milliseconds of memory copy, which must not block the event
@@ -73,6 +79,8 @@ class NixlKVClient(KVClient):
             self.region = self.agent.register(pool.k, pool.v)
         self._telemetry = telemetry
         self.peers: dict[str, tuple[Peer, float]] = {}  # endpoint -> (peer, last used)
+        self.leases: dict[str, set[str]] = {}  # endpoint -> request ids read, not yet released
+        self.connects = 0  # ConnectNixl calls that succeeded
         self.unreachable: set[str] = set()  # endpoints fetched over gRPC instead
         self._connecting: dict[str, asyncio.Lock] = {}
         self.descriptors_posted = 0  # after NIXL's merging (with telemetry)
@@ -93,6 +101,9 @@ class NixlKVClient(KVClient):
             await self._read(handle, receiver_layout, scratch, list(range(n)))
         except _UseGrpc:
             return await self.fallback.fetch(handle, receiver_layout)
+        except BaseException:
+            self._lease_over(handle)
+            raise
         finally:
             await self._run(self.agent.unregister, scratch)
         return KVExport(receiver_layout, handle.num_tokens, k, v)
@@ -109,16 +120,24 @@ class NixlKVClient(KVClient):
             await self._read(handle, pool.layout, self.region, block_ids)
         except _UseGrpc:
             return await super().fetch_into(handle, pool, block_ids)
+        except BaseException:
+            self._lease_over(handle)
+            raise
         return 2 * pool.layout.num_layers * len(block_ids) * self.region.block_bytes
 
     async def release(self, handle: KVHandle, reason: str) -> bool:
-        """ReleaseKV, as for every transport (`KVControl.release`)."""
-        return await self.control.release(handle, reason)
+        """ReleaseKV, as for every transport (`KVControl.release`); the pair's connection goes
+        with its last lease."""
+        try:
+            return await self.control.release(handle, reason)
+        finally:
+            self._lease_over(handle)
 
     async def close(self) -> None:
         await self.fallback.close()
         await self.control.close()
         self.peers.clear()
+        self.leases.clear()
         if self.agent is not None:
             await self._run(self.agent.close)
         self._thread.shutdown(wait=True)
@@ -143,8 +162,11 @@ class NixlKVClient(KVClient):
         """Hold the lease, READ it into `block_ids` of `region`, end the hold. A peer whose
         agent changed (the server restarted on the same endpoint) is loaded again, once."""
         request = pb.HoldKVRequest(
-            handle=handle.to_proto(), receiver_layout=layout_to_proto(layout)
+            handle=handle.to_proto(),
+            receiver_layout=layout_to_proto(layout),
+            reader_agent=self.agent.name,
         )
+        self.leases.setdefault(handle.endpoint, set()).add(handle.request_id)
         for attempt in range(2):
             peer = await self._peer(handle, layout)
             call = self.stubs.stub(handle.endpoint).HoldKV(request, timeout=self.timeout_s)
@@ -165,6 +187,9 @@ class NixlKVClient(KVClient):
                 self._touch(handle.endpoint)
                 return
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED and not attempt:  # our access ended
+                    self._forget(handle.endpoint)
+                    continue
                 raise rpc_error(exc, handle) from None
             except Unavailable:  # the peer's agent disconnected: load it again next time
                 self._forget(handle.endpoint)
@@ -182,12 +207,15 @@ class NixlKVClient(KVClient):
                 return entry[0]
             await self._evict_idle()
             request = pb.ConnectNixlRequest(
-                handle=handle.to_proto(), receiver_layout=layout_to_proto(layout)
+                handle=handle.to_proto(),
+                receiver_layout=layout_to_proto(layout),
+                reader_agent=self.agent.name,
             )
             try:
                 desc = await self.stubs.stub(endpoint).ConnectNixl(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 raise rpc_error(exc, handle) from None
+            self.connects += 1
             try:
                 peer = await self._run(self.agent.add_peer, desc)
             except Unavailable as exc:
@@ -198,6 +226,16 @@ class NixlKVClient(KVClient):
                 raise type(exc)(f"NIXL pool of {endpoint}: {exc.message}") from None
             self.peers[endpoint] = (peer, time.monotonic())
             return peer
+
+    def _lease_over(self, handle: KVHandle) -> None:
+        """We will not read `handle` again: drop the pair's connection with its last lease."""
+        leases = self.leases.get(handle.endpoint)
+        if leases is None:
+            return
+        leases.discard(handle.request_id)
+        if not leases:
+            del self.leases[handle.endpoint]
+            self._forget(handle.endpoint)
 
     def _forget(self, endpoint: str) -> None:
         entry = self.peers.pop(endpoint, None)

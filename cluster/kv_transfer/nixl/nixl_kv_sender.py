@@ -1,13 +1,22 @@
 """`NixlKVSender`: the prefill side of the `nixl` KV transport (contract: `KVSender`): the
-ConnectNixl and HoldKV RPCs. ConnectNixl checks the handle's token and the receiver's layout,
-then `describe`s the pool; HoldKV checks and pins the lease (`lease_pins.pin`) and `hold`s it.
+ConnectNixl and HoldKV RPCs. ConnectNixl checks the handle (token, a live lease, layouts), then
+`describe`s the pool to the reader agent the request names; HoldKV checks and pins the lease
+(`lease_pins.pin`) and `hold`s it, for a reader that holds access.
 
 At start it registers the engine's whole KV pool with a NIXL agent (`NixlPool`). It never sends
-anything itself: `describe` hands a decode worker the agent's metadata and the pool's geometry
-once per pair, and `hold` keeps a lease pinned (the caller pinned it) while the decode worker
-READs its blocks, for as long as the decode worker keeps the call open or until `timeout_s`.
-While any reader may be active (a hold, or the wire-up after a `describe`) a background task
-lets the agent progress, which UCX needs on the target side for connection set-up and TCP.
+anything itself: `describe` hands a decode worker the agent's metadata and the pool's geometry,
+and `hold` keeps a lease pinned (the caller pinned it) while the decode worker READs its blocks,
+for as long as the decode worker keeps the call open or until `timeout_s`. While any reader may
+be active (a hold, or the wire-up after a `describe`) a background task lets the agent
+progress, which UCX needs on the target side for connection set-up and TCP.
+
+Access is bounded by leases (`ReaderAccess`): a reader is given the metadata only against a
+live lease, keeps access while any lease it connected or held with is live, and loses it when
+the last one ends (fetched, cancelled, aborted or expired: `LeasePins.on_end`); its next HoldKV
+is then refused (`PairDropped`, ABORTED) until it connects again with a live lease. NIXL READs
+are one-sided: this agent never loads a reader's metadata, so it holds no connection of its own
+to drop; the reader drops its connection (`remove_remote_agent`) when told. What this does and
+does not protect: docs/architecture.md, "NIXL trust model".
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from cluster.kv_transfer.kv_handle import layout_from_proto
 from cluster.kv_transfer.lease_pins import (
     SenderParts,
     abort,
-    authenticate,
+    check_live,
     generated_handlers,
     pin,
 )
@@ -48,6 +57,8 @@ class NixlKVSender(KVSender, KVTransferServicer):
         self.region = self.pool.register(kv_pool.k, kv_pool.v)
         self.timeout_s = parts.channel_timeout_s
         self.holds = 0
+        self.access = ReaderAccess()
+        parts.leases.on_end(self.access.lease_ended)
         self._progress_until = 0.0
         self._progress: asyncio.Task | None = None
 
@@ -58,10 +69,13 @@ class NixlKVSender(KVSender, KVTransferServicer):
         self, request: pb.ConnectNixlRequest, context: grpc.aio.ServicerContext
     ) -> pb.NixlPool:
         try:
-            authenticate(self.parts.leases, request.handle)
+            reader = reader_agent(request)
+            handle = await check_live(self.parts, request.handle)
             if not request.HasField("receiver_layout"):
                 raise InvalidArgument("ConnectNixl needs receiver_layout")
             self.parts.layout.check_matches(layout_from_proto(request.receiver_layout))
+            self.parts.layout.check_matches(handle.layout)
+            self.access.grant(reader, handle.request_id)
             return self.describe()
         except PdServeError as exc:
             await abort(context, exc)
@@ -70,10 +84,15 @@ class NixlKVSender(KVSender, KVTransferServicer):
         self, request: pb.HoldKVRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KVHeld]:
         try:
+            reader = reader_agent(request)
             rid, _ = await pin(self.parts, request)
         except PdServeError as exc:
             await abort(context, exc)
         try:
+            try:
+                self.access.extend(reader, rid)
+            except PdServeError as exc:
+                await abort(context, exc)
             async for held in self.hold():
                 yield held
         finally:
@@ -112,3 +131,46 @@ class NixlKVSender(KVSender, KVTransferServicer):
         while self.holds or time.monotonic() < self._progress_until:
             self.pool.progress()
             await asyncio.sleep(PROGRESS_INTERVAL_S)
+
+
+class PairDropped(PdServeError):
+    """HoldKV from a reader that holds no access (never connected, or its last lease ended).
+    Only on the wire: the reader drops its connection, connects again and holds again."""
+
+    grpc_code = "ABORTED"
+
+
+class ReaderAccess:
+    """Which reader agents were given this pool's metadata, and for which live leases. A reader
+    is granted access by a ConnectNixl (against a live lease), extends it with each lease it
+    holds, and loses it when the last of those leases ends."""
+
+    def __init__(self) -> None:
+        self.readers: dict[str, set[str]] = {}  # reader agent -> live lease ids
+        self._leases: dict[str, set[str]] = {}  # lease id -> readers given access by it
+        self.dropped = 0  # readers whose last lease ended
+
+    def grant(self, reader: str, request_id: str) -> None:
+        self.readers.setdefault(reader, set()).add(request_id)
+        self._leases.setdefault(request_id, set()).add(reader)
+
+    def extend(self, reader: str, request_id: str) -> None:
+        """PairDropped unless `reader` holds access; else `request_id` keeps it too."""
+        if reader not in self.readers:
+            raise PairDropped(f"NIXL reader {reader!r} holds no access: ConnectNixl again")
+        self.grant(reader, request_id)
+
+    def lease_ended(self, request_id: str) -> None:
+        for reader in self._leases.pop(request_id, ()):
+            leases = self.readers[reader]
+            leases.discard(request_id)
+            if not leases:
+                del self.readers[reader]
+                self.dropped += 1
+
+
+def reader_agent(request) -> str:
+    """The request's `reader_agent` (InvalidArgument unless 1 to 256 characters)."""
+    if not 0 < len(request.reader_agent) <= 256:
+        raise InvalidArgument("a NIXL request names its reader_agent, 1 to 256 characters")
+    return request.reader_agent

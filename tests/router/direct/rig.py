@@ -11,6 +11,7 @@ import grpc
 
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.serving.api_keys import ApiKeys
 from router.direct import Admission, DirectLimits, GrpcServer, service_methods
 from router.router import GENERATION, Router
 from tests.router.fake_service import FakeService
@@ -27,9 +28,12 @@ class Servicer:
     Generate = Router.Generate
     GetModelInfo = Router.GetModelInfo
 
-    def __init__(self, service, admission: Admission | None = None) -> None:
+    def __init__(
+        self, service, admission: Admission | None = None, keys: ApiKeys | None = None
+    ) -> None:
         self.orch = service
         self.admission = admission or Admission(1024, 4096)
+        self.keys = keys or ApiKeys(())
 
     async def GetStats(self, request, context):
         raise RuntimeError("no code set")

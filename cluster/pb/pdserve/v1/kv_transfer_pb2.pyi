@@ -147,12 +147,14 @@ class CloseChannelResponse(_message.Message):
     def __init__(self, closed: _Optional[bool] = ...) -> None: ...
 
 class ConnectNixlRequest(_message.Message):
-    __slots__ = ("handle", "receiver_layout")
+    __slots__ = ("handle", "receiver_layout", "reader_agent")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    READER_AGENT_FIELD_NUMBER: _ClassVar[int]
     handle: KVHandle
     receiver_layout: KVLayout
-    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    reader_agent: str
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., reader_agent: _Optional[str] = ...) -> None: ...
 
 class NixlPool(_message.Message):
     __slots__ = ("agent_name", "agent_metadata", "mem_type", "device_id", "k_base", "v_base", "layer_stride", "block_stride", "block_bytes", "num_layers", "num_blocks")
@@ -181,12 +183,14 @@ class NixlPool(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., k_base: _Optional[int] = ..., v_base: _Optional[int] = ..., layer_stride: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class HoldKVRequest(_message.Message):
-    __slots__ = ("handle", "receiver_layout")
+    __slots__ = ("handle", "receiver_layout", "reader_agent")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    READER_AGENT_FIELD_NUMBER: _ClassVar[int]
     handle: KVHandle
     receiver_layout: KVLayout
-    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    reader_agent: str
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., receiver_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., reader_agent: _Optional[str] = ...) -> None: ...
 
 class KVHeld(_message.Message):
     __slots__ = ("agent_name",)

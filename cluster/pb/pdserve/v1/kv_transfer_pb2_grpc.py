@@ -117,8 +117,8 @@ class KVTransferServicer:
         """Opens a direct channel: the server hosts a TCPStore on `store_port` (same host as its gRPC
         endpoint) and joins the channel's group as rank 0 in the background, rendezvousing under
         the key prefix `channel_id`; the caller then joins as rank 1 within the server's timeout.
-        The caller shows any handle of this server with a genuine capability token
-        (UNAUTHENTICATED otherwise). FAILED_PRECONDITION if the server does not serve `transport`;
+        The caller shows the handle of a live lease of this server (UNAUTHENTICATED for a token
+        that is not genuine, NOT_FOUND for a lease that ended or expired). FAILED_PRECONDITION if the server does not serve `transport`;
         RESOURCE_EXHAUSTED if it holds too many channels.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -146,10 +146,13 @@ class KVTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ConnectNixl(self, request, context):
-        """Describes this server's NIXL agent and registered KV pool (transport "nixl"). The caller
-        shows any handle of this server with a genuine capability token (UNAUTHENTICATED
-        otherwise) and its own layout (FAILED_PRECONDITION if it differs from the server's, or if
-        the server does not serve "nixl"). The lease itself is neither checked nor pinned.
+        """Describes this server's NIXL agent and registered KV pool (transport "nixl") to the
+        reader agent `reader_agent`, against a live lease: the handle and layouts are checked
+        exactly as by `FetchKV`, with the same status codes (UNAUTHENTICATED for a token that is
+        not genuine, NOT_FOUND for a lease that ended or expired, FAILED_PRECONDITION for another
+        layout or a server that does not serve "nixl"). The reader keeps access while any lease it
+        connected or held with is live; when its last one ends (fetched, cancelled, aborted,
+        expired) the pair is dropped: `HoldKV` refuses it (ABORTED) until it connects again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,7 +164,9 @@ class KVTransferServicer:
         `FetchKV`, with the same status codes, before the one message is sent; the server then
         keeps the pin (and its agent progressing) until the caller ends the call or its deadline
         passes. Reading after the call ended may read reused blocks: the caller ends the call only
-        once its READ is complete. Does not end the lease; the client calls `ReleaseKV`.
+        once its READ is complete. Does not end the lease; the client calls `ReleaseKV`. ABORTED
+        if `reader_agent` holds no access (never connected, or its last lease ended): drop the
+        pair's connection, `ConnectNixl` with this handle and hold again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -24,6 +25,8 @@ from cluster.kv_transfer.collective.collective_kv_client import CollectiveKVClie
 from cluster.kv_transfer.collective.kv_channel import transport_device
 from cluster.kv_transfer.kv_handle import KVHandle
 from cluster.kv_transfer.transport_factory import make_kv_client
+from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
+from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferStub
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
 from tests.cluster.kv_transfer.kv_pair import (
@@ -227,6 +230,22 @@ def test_wrong_token_is_unauthenticated_before_and_after_the_group_exists(
                 await p.client.fetch(replace(other, request_id="r2"), p.decode.layout)
             assert len(p.client.channels) == 1
             assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r2", ids)
+
+    run(main())
+
+
+def test_open_channel_against_an_ended_lease_is_not_found(llama_dir: Path) -> None:
+    async def main() -> None:
+        async with collective_pair(llama_dir) as p:
+            ids = prompt(20, 9)
+            handle = await p.prefill_handle("r1", ids)
+            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
+            request = pb.OpenChannelRequest(transport="gloo", handle=handle.to_proto())
+            async with grpc.aio.insecure_channel(p.endpoint) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:  # genuine token, lease over
+                    await KVTransferStub(channel).OpenChannel(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            assert len(p.sender.channels) == 1  # the first fetch's only
 
     run(main())
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,82 +16,17 @@ import torch
 from cluster.engine.async_engine import AsyncEngine
 from cluster.errors import FailedPrecondition, Unauthenticated, Unavailable
 from cluster.kv_transfer.capability import Capability
-from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
-from cluster.kv_transfer.kv_control import KVControl
-from cluster.kv_transfer.kv_handle import KVHandle
-from cluster.kv_transfer.nixl.nixl_kv_client import NixlKVClient
 from cluster.kv_transfer.nixl.nixl_pool import load_nixl
-from cluster.request import Request
 from prefill_worker.kv_server import KVServer
 from prefill_worker.lease_keeper import LeaseKeeper
-from tests.cluster.kv_transfer.kv_pair import (
-    MAX_CHUNK_BYTES,
-    PARAMS,
-    Pair,
-    colocated,
-    make_engine,
-    prompt,
-    run,
-)
+from tests.cluster.kv_transfer.kv_pair import MAX_CHUNK_BYTES, colocated, make_engine, prompt, run
+from tests.cluster.kv_transfer.nixl.nixl_pair import nixl_pair, sender
 from tests.engine_kv import export_kv
 
 try:
     load_nixl()
 except Exception:  # pragma: no cover - nixl is a dependency on Linux x86_64
     pytest.skip("NIXL is not installed here", allow_module_level=True)
-
-
-@dataclass
-class NixlPair(Pair):
-    client: NixlKVClient
-
-    async def prefill_handle(self, rid: str, ids: tuple[int, ...]) -> KVHandle:
-        return replace(await super().prefill_handle(rid, ids), transport="nixl")
-
-    async def fetch_and_decode(self, handle: KVHandle, ids: tuple[int, ...]) -> list[int]:
-        """As the decode worker does: reserve blocks, READ into them, release, decode."""
-        rid, first = handle.request_id, handle.first_token_id
-        request = Request(rid, ids, PARAMS)
-        block_ids = await self.decode.call(lambda e: e.reserve_import(request))
-        try:
-            await self.client.fetch_into(handle, self.decode.kv_pool, block_ids)
-        except BaseException:
-            await self.decode.call(lambda e: e.cancel_import(rid))
-            raise
-        assert await self.client.release(handle, "fetched")
-        tokens = [first]
-        async for out in await self.decode._stream(rid, lambda e: e.finish_import(rid, first)):
-            tokens.extend(out.token_ids)
-        return tokens
-
-
-@asynccontextmanager
-async def nixl_pair(
-    path: Path, lease_seconds: float = 30.0, expiry_interval: float | None = None
-) -> AsyncIterator[NixlPair]:
-    prefill, decode = AsyncEngine(make_engine(path)), AsyncEngine(make_engine(path))
-    prefill.start()
-    decode.start()
-    leases = LeaseKeeper(prefill, lease_seconds, Capability(b"test-secret"))
-    if expiry_interval is not None:
-        leases.start(expiry_interval)
-    server = KVServer(
-        prefill, leases, prefill.layout, "127.0.0.1", 0, MAX_CHUNK_BYTES, transport="nixl"
-    )
-    endpoint = await server.start()
-    control = KVControl(MAX_CHUNK_BYTES, 10.0)
-    grpc_client = GrpcKVClient(MAX_CHUNK_BYTES, 10.0, max_blocks=32, control=control)
-    client = NixlKVClient(
-        decode.kv_pool, 10.0, control=control, fallback=grpc_client, max_blocks=32, telemetry=True
-    )
-    p = NixlPair(prefill, decode, leases, server, client, endpoint)
-    try:
-        yield p
-        assert await leases.drain(5.0), "a lease was never freed"
-        assert await p.used_blocks() == (0, 0), "KV blocks leaked"
-        assert server.senders["nixl"].holds == 0
-    finally:
-        await p.close()
 
 
 def test_read_kv_is_bit_exact_and_decodes_like_a_colocated_run(llama_dir: Path) -> None:
@@ -108,8 +41,9 @@ def test_read_kv_is_bit_exact_and_decodes_like_a_colocated_run(llama_dir: Path) 
             tokens = await asyncio.gather(
                 *(p.fetch_and_decode(handles[rid], ids) for rid, ids in prompts.items())
             )
-            assert len(p.client.peers) == 1  # one ConnectNixl for the pair
             assert (p.leases.granted, p.leases.fetched, p.leases.expired) == (3, 3, 0)
+            # The pair's last lease ended: both ends dropped it.
+            assert not p.client.peers and not sender(p).access.readers
             # A read after release finds no lease (NOT_FOUND on the wire).
             with pytest.raises(Unavailable, match="expired or was released"):
                 await p.client.fetch(handles["r-long"], p.decode.layout)
@@ -142,14 +76,16 @@ def test_wrong_token_is_unauthenticated_before_and_after_the_pair_connected(
             handle = await p.prefill_handle("r1", ids)
             with pytest.raises(Unauthenticated):  # refused by ConnectNixl
                 await p.fetch_and_decode(replace(handle, capability_token=bytes(32)), ids)
-            assert not p.client.peers
-            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
-            handle = await p.prefill_handle("r2", ids)
-            forged = Capability(b"x").token("r2", handle.block_ids)
+            assert not p.client.peers and not sender(p).access.readers
+            live = await p.client.fetch(handle, p.decode.layout)  # connects; r1 stays leased
+            assert live.num_tokens == len(ids) and len(p.client.peers) == 1
+            handle2 = await p.prefill_handle("r2", ids)
+            forged = Capability(b"x").token("r2", handle2.block_ids)
             with pytest.raises(Unauthenticated):  # refused by HoldKV; the peer stays
-                await p.fetch_and_decode(replace(handle, capability_token=forged), ids)
-            assert len(p.client.peers) == 1
-            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r2", ids)
+                await p.fetch_and_decode(replace(handle2, capability_token=forged), ids)
+            assert len(p.client.peers) == 1 and p.client.connects == 1
+            assert await p.fetch_and_decode(handle2, ids) == colocated(llama_dir, "r2", ids)
+            assert await p.fetch_and_decode(handle, ids) == colocated(llama_dir, "r1", ids)
 
     run(main())
 
@@ -210,7 +146,7 @@ def test_a_cancelled_read_ends_only_after_the_read_and_frees_both_sides(llama_di
             engine.cancel_import = recorded_cancel_import
             task = asyncio.ensure_future(p.fetch_and_decode(handle, ids))
             await asyncio.sleep(0.2)
-            assert p.server.senders["nixl"].holds == 1  # the lease is pinned for the reader
+            assert sender(p).holds == 1  # the lease is pinned for the reader
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -218,7 +154,7 @@ def test_a_cancelled_read_ends_only_after_the_read_and_frees_both_sides(llama_di
             agent.read = real_read
             assert await p.used_blocks() == (40 // 16 + 1, 0)  # the lease still holds
             for _ in range(100):  # the server sees the hold's call cancelled
-                if p.server.senders["nixl"].holds == 0:
+                if sender(p).holds == 0:
                     break
                 await asyncio.sleep(0.01)
             assert await p.client.release(handle, "aborted")

@@ -1,0 +1,140 @@
+"""A tensor-parallel replica on one machine: an `Engine` on rank 0, in this process, and one
+process per other rank running `follow_steps`, joined by a `TorchGroup` (gloo on the CPU, NCCL
+on GPUs) through a TCPStore rendezvous on `host`.
+
+Start: rank 0 hosts the store on a free port and spawns the followers; each follower imports,
+says it is ready in the store, then every rank joins the process group (so the group's
+connection timeout covers the connection, not a child's imports). Every rank loads only its
+shard of the checkpoint; rank 0 chooses the KV pool's size and tells the followers.
+
+Placement across machines (a Ray placement group, one bundle per rank) is not here yet: this
+spawns the ranks locally, which is what the tests and a single multi-GPU node need.
+
+`close` stops the followers (one message, then a join with a deadline, then terminate) and
+frees the group. A follower that dies makes rank 0's next step raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine.engine import Engine, kv_layout
+from cluster.engine.kv_cache import KVCache
+from cluster.engine.model_runner import ModelRunner
+from cluster.engine.tp_runner import TPModelRunner, follow_steps
+from cluster.errors import InvalidArgument, Unavailable
+from cluster.model.info import describe_model
+from cluster.model.loader import load_model
+from cluster.model.parallel.group import TorchGroup, host_store, join_store
+from cluster.model.parallel.shard import TPShard
+
+log = logging.getLogger("ray.serve." + __name__)
+
+
+class TPReplica:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tensor_parallel_size: int,
+        host: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        k = tensor_parallel_size
+        if k < 2:
+            raise InvalidArgument("a TPReplica has 2 or more ranks; use Engine for TP 1")
+        config = config.resolved()
+        TPShard.of(describe_model(config.model).spec, 0, k)  # refuses a size that does not split
+        self.timeout_s = timeout_s
+        store = host_store(host, k, start_timeout_s)
+        ctx = mp.get_context("spawn")
+        args = (config, k, host, store.port, timeout_s, torch.get_num_threads())
+        self.followers = [
+            ctx.Process(target=_follower, args=(rank, *args), daemon=True) for rank in range(1, k)
+        ]
+        for p in self.followers:
+            p.start()
+        try:
+            _wait_ready(store, self.followers, start_timeout_s)
+            device = torch.device(config.model.device)
+            self.group = TorchGroup(0, k, store, device, timeout_s)
+            loaded = load_model(config.model, self.group)
+            # Every rank has its shard (loading is not a collective: a slow follower may still
+            # be reading): wait for them with the start's deadline, not a step's.
+            self.group.broadcast_object("loaded", timeout_s=start_timeout_s)
+            self.engine = Engine(config, loaded)
+        except BaseException:
+            self._reap(0.0)
+            raise
+        self.store = store  # kept alive: the followers' group was made through it
+
+    def close(self) -> None:
+        """Stop the followers; the engine is unusable afterwards. Idempotent."""
+        if any(p.is_alive() for p in self.followers):
+            runner = self.engine.runner
+            assert isinstance(runner, TPModelRunner)
+            try:
+                runner.stop_followers()
+            except Exception:
+                log.warning("could not tell the TP followers to stop", exc_info=True)
+        self._reap(self.timeout_s)
+
+    def _reap(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in self.followers:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+
+    def __enter__(self) -> TPReplica:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _wait_ready(store, followers: list, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for rank in range(1, len(followers) + 1):
+        while True:
+            if store.check([f"ready/{rank}"]):
+                break
+            dead = [p.pid for p in followers if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                why = f"exited (pids {dead})" if dead else f"not ready in {timeout_s} s"
+                raise Unavailable(f"TP follower rank {rank} {why}")
+            time.sleep(0.05)
+
+
+def _follower(
+    rank: int,
+    config: EngineConfig,
+    world_size: int,
+    host: str,
+    port: int,
+    timeout_s: float,
+    threads: int,
+) -> None:
+    """A follower process: join the group, load this rank's shard, build its KV pool with the
+    leader's block count, then run steps until told to stop."""
+    torch.set_num_threads(threads)
+    store = join_store(host, port, world_size, timeout_s)
+    device = torch.device(config.model.device)
+    if device.type == "cuda":  # one GPU per rank on a local node
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    store.set(f"ready/{rank}", "1")
+    group = TorchGroup(rank, world_size, store, device, timeout_s)
+    loaded = load_model(config.model, group)
+    model = loaded.model
+    group.broadcast_object(timeout_s=None)  # every rank has loaded its shard
+    num_blocks = group.broadcast_object()  # rank 0 sizes the pool
+    layout = kv_layout(loaded.info.model_id, model, config)
+    kv = KVCache(layout, num_blocks, config.model.torch_dtype, device)
+    follow_steps(ModelRunner(model, kv, device), group)

@@ -1,7 +1,8 @@
 """`pdserve status`: a running cluster's pools (replicas now and targeted, bounds, load), its
 engine replicas (device and dtype as each decided them, KV blocks, sequences, queued prompt
-tokens, tokens generated) and its router replicas (their direct gRPC endpoints), as three
-tables or, with `--json`, as one JSON object; `--watch` refreshes until Ctrl-C."""
+tokens, tokens generated; "loading" while one's engine starts, a hub model downloading into its
+node's cache) and its router replicas (their direct gRPC endpoints), as three tables or, with
+`--json`, as one JSON object; `--watch` refreshes until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ def render(snapshot: Snapshot) -> list[str]:
         ],
     )
     header = ("pool", "replica", "device", "dtype", "kv total", "kv used", "kv leased")
-    header += ("kv cached", "running", "waiting", "queued", "generated")
+    header += ("kv cached", "running", "waiting", "queued", "generated", "state")
     rows = [
         (
             r.pool,
@@ -161,6 +162,7 @@ def render(snapshot: Snapshot) -> list[str]:
             r.waiting,
             r.queued_prompt_tokens,
             r.generated_tokens,
+            r.state or "ready",  # a server from before the field lists ready replicas only
         )
         for r in stats.replicas
         if r.pool != ROUTER_POOL

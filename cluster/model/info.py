@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from cluster.config import ModelConfig
 from cluster.errors import InvalidArgument
-from cluster.model.hub import checkpoint_dir, is_hub_id
+from cluster.model.hub import checkpoint_dir, is_hub_id, weight_files
 from cluster.sampling_params import SamplingParams
 
 SUPPORTED_ARCHITECTURES = (
@@ -90,7 +90,7 @@ class ModelInfo:
 
     spec: ArchSpec
     tokenizer: PreTrainedTokenizerBase | None
-    model_id: str  # checkpoint name plus a digest of its config and weight headers
+    model_id: str  # name@identity: a hub id's commit, or a digest of config and weight headers
     eos_token_ids: frozenset[int]
     max_model_len: int
     # The sampling settings of the checkpoint's generation_config.json (`generation_defaults`)
@@ -138,18 +138,24 @@ class ModelInfo:
 
 def describe_model(config: ModelConfig) -> ModelInfo:
     """What `config`'s checkpoint is (a directory, or a hub id through `hub.checkpoint_dir`).
-    Raises InvalidArgument, one line, for anything that is not a supported checkpoint."""
-    path = checkpoint_dir(config)
+    Raises InvalidArgument, one line, for anything that is not a supported checkpoint.
+
+    A hub id needs its config and tokenizer files only, not its weights (a router, or the
+    machine that builds the app, never downloads them); its identity is its commit, which
+    fixes every file's content, where a directory's is a digest of its config and weight
+    headers."""
+    hub = is_hub_id(config.path)
+    path = checkpoint_dir(config, weights=not hub)
     if not (path / "config.json").is_file():
         raise InvalidArgument(f"{path} is not a Hugging Face checkpoint (no config.json)")
     hf_config = AutoConfig.from_pretrained(path)
     spec = arch_spec(hf_config)
     limit = config.max_model_len or spec.max_position_embeddings
-    name = config.path if is_hub_id(config.path) else path.name
+    identity = path.name[:12] if hub else _digest(path, weight_files(path))
     return ModelInfo(
         spec=spec,
         tokenizer=_load_tokenizer(path),
-        model_id=f"{name}@{_digest(path, weight_files(path))}",
+        model_id=f"{config.path if hub else path.name}@{identity}",
         eos_token_ids=_eos_ids(hf_config, path),
         max_model_len=min(limit, spec.max_position_embeddings),
         sampling_defaults=generation_defaults(path),
@@ -174,18 +180,6 @@ def generation_defaults(folder: Path) -> tuple[tuple[str, float], ...]:
         for k in SAMPLING_KEYS
         if isinstance(doc.get(k), int | float) and not isinstance(doc.get(k), bool)
     )
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The checkpoint's safetensors files: the shards of its index, or its one file."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise InvalidArgument(f"{path} has no model.safetensors or model.safetensors.index.json")
 
 
 def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from cluster.config import ModelConfig
 from cluster.errors import InvalidArgument
 from cluster.model.decoder import CausalLM
-from cluster.model.hub import checkpoint_dir
-from cluster.model.info import ArchSpec, ModelInfo, describe_model, weight_files
+from cluster.model.hub import checkpoint_dir, weight_files
+from cluster.model.info import ArchSpec, ModelInfo, describe_model
 from cluster.model.linear import pack_linears
 from cluster.model.parallel.group import SINGLE, TPGroup
 from cluster.model.parallel.shard import TPShard
@@ -29,7 +29,8 @@ from cluster.model.rope import RotaryEmbedding
 
 def load_model(config: ModelConfig, tp: TPGroup = SINGLE) -> LoadedModel:
     config = config.on_device()
-    info = describe_model(config)
+    info = describe_model(config)  # refuses an unsupported checkpoint before any weights
+    files = weight_files(checkpoint_dir(config))  # a hub id's download, on this replica's node
     spec = info.spec
     device = torch.device(config.device)
     with torch.device("meta"):
@@ -40,7 +41,7 @@ def load_model(config: ModelConfig, tp: TPGroup = SINGLE) -> LoadedModel:
     model.rotary = rotary.to(device)
     if spec.tie_word_embeddings:  # to_empty gave lm_head its own storage; share it again
         model.lm_head.weight = model.model.embed_tokens.weight
-    _load_weights(model, weight_files(checkpoint_dir(config)), spec, model.shard, device)
+    _load_weights(model, files, spec, model.shard, device)
     model = model.to(config.torch_dtype).eval()
     model.fuse_projections()
     if config.packed_weights:

@@ -8,7 +8,9 @@ checked by tests/cluster/serving/test_pool_load.py. `metered_engine` and `stats_
 engine replica's periodic stats line in its log; `cpu_affinity` pins engine threads;
 `placement` sizes a local Ray for the replicas asked for and bounds the wait for them;
 `gpu_placement` decides each engine pool's GPUs from the cluster's nodes, and `replica_device`
-each replica's device and dtype "auto" where it runs.
+each replica's device and dtype "auto" where it runs. `hub_env` hands a hub model's token and
+hub settings to every replica; `loading_report` lists a replica as loading while its engine
+starts.
 
 May import: the `cluster` root modules, `cluster.model`, `cluster.engine`, `cluster.kv_transfer`
 and `cluster.pb`.

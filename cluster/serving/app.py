@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from cluster.config import ModelConfig
 from cluster.serving.app_config import AppConfig, DeploymentConfig
 from cluster.serving.gpu_placement import place_gpus
+from cluster.serving.hub_env import hub_env_vars
 
 if TYPE_CHECKING:  # ray.serve is imported when an app is built, not to read a config
     from ray.serve import Application
@@ -98,12 +99,13 @@ def compose_app(config: AppConfig, role_classes: Mapping[str, str] | None = None
     # Each engine pool's GPUs from the cluster's nodes; device and dtype "auto" stay for each
     # replica to decide where it runs.
     config = place_gpus(config.resolved())
-    router = _deployment("Router", roles["Router"], config.router)
+    env = hub_env_vars(config.model)
+    router = _deployment("Router", roles["Router"], config.router, env)
     if config.mode == "colocated":
-        colocated = _deployment("Colocated", roles["Colocated"], config.decode).bind(config)
+        colocated = _deployment("Colocated", roles["Colocated"], config.decode, env).bind(config)
         return router.bind(config, None, None, colocated)
-    prefill = _deployment("Prefill", roles["Prefill"], config.prefill).bind(config)
-    decode = _deployment("Decode", roles["Decode"], config.decode).bind(config)
+    prefill = _deployment("Prefill", roles["Prefill"], config.prefill, env).bind(config)
+    decode = _deployment("Decode", roles["Decode"], config.decode, env).bind(config)
     return router.bind(config, prefill, decode, None)
 
 
@@ -128,16 +130,19 @@ def deployment_pools(config: AppConfig) -> dict[str, str]:
     return {"Router": "router", "Prefill": "prefill", "Decode": "decode"}
 
 
-def deployment_options(name: str, pool: DeploymentConfig) -> dict[str, Any]:
+def deployment_options(
+    name: str, pool: DeploymentConfig, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The options of `serve.deployment` for deployment `name`, all derived from its pool:
-    size or autoscaling, Ray resources and placement, request limits, request router."""
+    size or autoscaling, Ray resources and placement, request limits, request router; `env`
+    joins the replicas' env vars (a hub model's, `hub_env.hub_env_vars`)."""
     size = (
         {"autoscaling_config": pool.autoscaling.serve_config()}
         if pool.autoscaling is not None
         else {"num_replicas": pool.replicas}
     )
-    env = ROUTER_ENV_VARS if name == "Router" else REPLICA_ENV_VARS
-    actor = {**pool.actor_options(), "runtime_env": {"env_vars": dict(env)}}
+    env_vars = {**(ROUTER_ENV_VARS if name == "Router" else REPLICA_ENV_VARS), **(env or {})}
+    actor = {**pool.actor_options(), "runtime_env": {"env_vars": env_vars}}
     routing = {}
     if name in PREFILLING_ROLES and pool.prefix_affinity and pool.cache.enable_prefix_caching:
         routing["request_router_config"] = {
@@ -209,12 +214,12 @@ def _ray_resources(actor_options: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _deployment(name: str, import_path: str, pool: DeploymentConfig):
+def _deployment(name: str, import_path: str, pool: DeploymentConfig, env: Mapping[str, str]):
     from ray import serve
 
     module, _, attr = import_path.partition(":")
     cls = getattr(importlib.import_module(module), attr)
-    return serve.deployment(cls, name=name, **deployment_options(name, pool))
+    return serve.deployment(cls, name=name, **deployment_options(name, pool, env))
 
 
 def default_config(model_path: str | None = None, **overrides: Any) -> AppConfig:

@@ -50,6 +50,10 @@ class WorkerChunk:
     prefill_seconds: float = 0.0
 
 
+# `ReplicaStats.state`: the replica serves, or its engine is still starting.
+READY, LOADING = "ready", "loading"
+
+
 @dataclass(frozen=True)
 class ReplicaStats:
     """One engine replica's numbers as of `updated_at` (wall clock). `kv_leases_ended`, on
@@ -58,7 +62,9 @@ class ReplicaStats:
     sends `CancelPrefill`); `device` and `dtype`: where and in what the replica's engine runs,
     as it decided them ("auto" is decided by each replica, `replica_device`). A router replica
     reports itself too (pool "router", every figure 0, no device): `grpc_endpoint` is where it
-    serves `pdserve.v1.Generation` without Serve's proxy."""
+    serves `pdserve.v1.Generation` without Serve's proxy. `state`: READY, or LOADING while the
+    replica's engine starts (a hub model downloading into the node's cache, the weights
+    loading; every figure 0, `loading_report.LoadingReport`)."""
 
     pool: str
     replica_id: str
@@ -76,3 +82,4 @@ class ReplicaStats:
     grpc_endpoint: str = ""
     device: str = ""
     dtype: str = ""
+    state: str = "ready"  # READY or LOADING

@@ -20,6 +20,7 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import EngineStats
 from cluster.serving.app_config import AppConfig
 from cluster.serving.cpu_affinity import engine_cores, format_cpu_list, thread_cpus
+from cluster.serving.loading_report import LoadingReport
 from cluster.serving.metered_engine import EngineTotals, MeteredEngine
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_load import LoadSignals
@@ -66,13 +67,18 @@ class EngineReplica:
         sys.setswitchinterval(pool_config.gil_switch_interval_s)
         self.config = config
         self.replica_id = replica_id()
+        self.registry = registry(config.name)
         # Device and dtype "auto" are decided here, on the node this replica runs on.
         engine_config = on_replica(config.engine_config(pool))
         self.device, self.dtype = engine_config.model.device, engine_config.model.dtype
         log.info("%s engine on %s in %s", pool, self.device, self.dtype)
         # Made and started on the engine cores: the engine thread and torch's threads inherit
         # them; this (event loop) thread gets its own mask back, and starts the output thread.
-        with engine_cores(pool_config.engine_cpus) as cores:
+        # Listed as loading meanwhile (a hub model's download, the weights' load).
+        with (
+            LoadingReport(self.registry, pool, self.replica_id),
+            engine_cores(pool_config.engine_cpus) as cores,
+        ):
             engine = MeteredEngine(engine_config)
             separate = pool_config.output_thread_on(str(engine.device))
             self.engine = AsyncEngine(engine, output_thread=separate)
@@ -84,7 +90,6 @@ class EngineReplica:
         transport = "" if config.mode == "colocated" else config.transfer.transport
         self.metrics = PoolMetrics(pool, served_model_name(config.model), transport)
         self.stats_line = StatsLine(pool, EngineTotals(time.monotonic()))
-        self.registry = registry(config.name)
         self.last_stats: ReplicaStats | None = None  # the latest sample
         self._pushed: ReplicaStats | None = None  # the latest pushed to the registry
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())

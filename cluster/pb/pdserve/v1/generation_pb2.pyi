@@ -211,7 +211,7 @@ class LoadSignal(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., target_per_replica: _Optional[float] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("pool", "replica_id", "kv_blocks_total", "kv_blocks_used", "kv_blocks_leased", "running", "waiting", "queued_prompt_tokens", "kv_blocks_cached", "generated_tokens", "grpc_endpoint", "device", "dtype")
+    __slots__ = ("pool", "replica_id", "kv_blocks_total", "kv_blocks_used", "kv_blocks_leased", "running", "waiting", "queued_prompt_tokens", "kv_blocks_cached", "generated_tokens", "grpc_endpoint", "device", "dtype", "state")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class ReplicaStats(_message.Message):
     GRPC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     replica_id: str
     kv_blocks_total: int
@@ -238,4 +239,5 @@ class ReplicaStats(_message.Message):
     grpc_endpoint: str
     device: str
     dtype: str
-    def __init__(self, pool: _Optional[str] = ..., replica_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_leased: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., grpc_endpoint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    state: str
+    def __init__(self, pool: _Optional[str] = ..., replica_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_leased: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., grpc_endpoint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...

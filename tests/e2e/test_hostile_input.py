@@ -41,12 +41,18 @@ def test_a_request_id_that_is_not_a_label_is_invalid_argument(apps, rid):
 
 
 def test_a_tiny_temperature_is_greedy_and_a_tiny_penalty_is_refused(apps):
+    """Beside a victim's stream (the attacks once made every co-batched request fail)."""
     want = tokens(generate(apps, PD, prompt="hello there", sampling=greedy_sampling(8))[0])
-    tiny = greedy_sampling(8)
-    tiny.temperature = 1e-45  # positive in float32: below the floor, greedy
-    assert tokens(generate(apps, PD, prompt="hello there", sampling=tiny)[0]) == want
-    tiny.temperature, tiny.repetition_penalty = 1.0, 1e-40
-    e = refused(apps, prompt="hello there", sampling=tiny)
+
+    def attack() -> tuple[list[int], grpc.RpcError]:
+        tiny = greedy_sampling(8)
+        tiny.temperature = 1e-45  # positive in float32: below the floor, greedy
+        got = tokens(generate(apps, PD, prompt="hello there", sampling=tiny)[0])
+        tiny.temperature, tiny.repetition_penalty = 1.0, 1e-40
+        return got, refused(apps, prompt="hello there", sampling=tiny)
+
+    got, e = _beside_a_victim(apps, attack)
+    assert got == want
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "repetition_penalty" in e.details()
 
 

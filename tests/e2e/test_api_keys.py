@@ -8,8 +8,6 @@ works with `api_key=`. Hostile callers without the key do not disturb a keyed vi
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -24,6 +22,7 @@ from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.serving.app_config import RouterConfig
 from tests.e2e.grpc_calls import greedy_sampling, tokens
 from tests.ray_fixtures import deploy, small_app_config
+from tests.tls_cert import self_signed
 
 pytestmark = pytest.mark.slow
 
@@ -38,17 +37,8 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 def keyed(ray_serve, tokenizer_model_dir, tmp_path_factory):
     from ray import serve
 
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make the direct endpoint's certificate")
     out = tmp_path_factory.mktemp("keyed")
-    cert, key = out / "cert.pem", out / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
-        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
-        + ["-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = self_signed(out)
     keyfile = out / "keys"
     keyfile.write_text(f"# the e2e test's second key\n{FILE_KEY}\n")
     base = small_app_config(str(tokenizer_model_dir))

@@ -6,8 +6,6 @@ plaintext and TLS) and the OpenAI routes behind `ApiKeyAuth` (raw HTTP and the o
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from router.pool_status import ClusterStats
 from router.router import GENERATION, Router
 from tests.router.direct.rig import request
 from tests.router.fake_service import FakeService
+from tests.tls_cert import self_signed
 
 KEY = "sk-test-0123456789abcdef"
 KEYS = ApiKeys([ApiKey(KEY)])
@@ -113,18 +112,7 @@ def bearer(key: str = KEY) -> tuple[tuple[str, str], ...]:
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    out = tmp_path_factory.mktemp("tls")
-    cert, key = out / "cert.pem", out / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
-        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
-        + ["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
+    return self_signed(tmp_path_factory.mktemp("tls"))
 
 
 def test_direct_endpoint_over_tls_with_the_key(tls_files):

@@ -195,20 +195,6 @@ def _wait_for_pool(cluster, app: str, deployment: str, n: int, timeout: float = 
         time.sleep(2.0)
 
 
-def _busiest_decode_host(cluster, app: str) -> str:
-    """The host of the decode replica running the most sequences (GetStats)."""
-    hosts = _replica_hosts(cluster, app)
-    deadline = time.monotonic() + 10.0  # a report may predate the streams' decode
-    while True:
-        stats = cluster.client("stats", app=app)["replicas"]
-        decodes = [r for r in stats if r["pool"] == "decode" and r["replica_id"] in hosts]
-        busiest = max(decodes, key=lambda r: int(r.get("running", 0)))
-        if int(busiest.get("running", 0)) > 0:
-            return hosts[busiest["replica_id"]]
-        assert time.monotonic() < deadline, decodes
-        time.sleep(0.3)
-
-
 def test_a_decode_node_lost_mid_stream_costs_no_request_and_stats_keep_answering(
     cluster, tokenizer_model_dir, hf
 ):
@@ -218,13 +204,17 @@ def test_a_decode_node_lost_mid_stream_costs_no_request_and_stats_keep_answering
     exact, `GetStats` answers OK all along; the node rejoins, the pool is back to two
     replicas, no KV block is used or leased, and GetStats lists exactly the running
     replicas."""
-    cases = _cases(12, seed=5, max_tokens=160)
+    cases = _cases(12, seed=5, max_tokens=400)
     _wait_for_pool(cluster, PD, "Decode", 2)
+    hosts = _replica_hosts(cluster, PD)
     watch = cluster.client_popen("watch", app=PD, seconds=45, interval=0.5)
-    client = cluster.client_popen("generate", app=PD, cases=cases, ready_after=3, timeout=240)
+    client = cluster.client_popen(
+        "generate", app=PD, cases=cases, ready_after=3, name_busiest=True, timeout=240
+    )
     try:
-        assert client.stdout.readline().strip() == "READY", client.stderr.read()[-3000:]
-        victim = _busiest_decode_host(cluster, PD)
+        ready, busiest = (client.stdout.readline().split() + ["", ""])[:2]
+        assert ready == "READY" and busiest in hosts, (ready, busiest, client.stderr.read()[-3000:])
+        victim = hosts[busiest]
         assert cluster.lab.kill_all(victim)
         out, err = client.communicate(timeout=300)
     finally:

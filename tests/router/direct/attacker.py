@@ -20,6 +20,7 @@ import time
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 
 from tests.router.direct.wire import Wire, goaway, ping
 
@@ -48,12 +49,17 @@ async def never_ending(endpoint: str, streams: int, request_bytes: int) -> dict:
     code = None
     start = time.monotonic()
     while True:
-        for stream, n in list(left.items()):
+        for stream, n in list(left.items()) if code is None else []:
             room = min(n, conn.local_flow_control_window(stream), conn.max_outbound_frame_size)
-            if room > 0:
+            if room <= 0:
+                continue
+            try:
                 conn.send_data(stream, b"\0" * room)
-                left[stream] -= room
-                sent += room
+            except h2.exceptions.StreamClosedError:  # the server ended it: nothing more to feed
+                left.pop(stream)
+                continue
+            left[stream] -= room
+            sent += room
         writer.write(conn.data_to_send())
         try:
             data = await reader.read(65536)
@@ -61,12 +67,14 @@ async def never_ending(endpoint: str, streams: int, request_bytes: int) -> dict:
             data = b""
         if not data:
             break
+        if code is not None:
+            continue  # after GOAWAY, h2 refuses frames; the rest is read only to see the close
         for event in conn.receive_data(data):
             if isinstance(event, h2.events.StreamReset):
                 left.pop(event.stream_id, None)
                 reset += 1
             elif isinstance(event, h2.events.ConnectionTerminated):
-                code = int(event.error_code)
+                code = int(event.error_code)  # GOAWAY: send nothing more, read to the end
     writer.close()
     return {"sent": sent, "reset": reset, "goaway": code, "open_s": time.monotonic() - start}
 

@@ -1,4 +1,5 @@
-"""`n > 1`: one OpenAI request, n choices, one prefill of the prompt.
+"""`n > 1` and batched prompts: one OpenAI request, n choices of each of its prompts, one
+prefill of each prompt. Prompt i's choice j is the request's choice `i * n + j` (vLLM's index).
 
 Each choice is a generation of its own (`GenerationService.generate`), so retries, migration,
 cancellation and KV release stay those of one request. What they share is the prompt's KV:
@@ -9,12 +10,12 @@ supplies every full block (`usage.cached_prompt_tokens`): the prompt is computed
 further choice recomputes only the tail of its last, partial block (whose logits it samples its
 first token from). In colocated mode the one engine's cache does the same.
 
-Seeds follow vLLM: choice i samples with `seed + i` (mod 2**63), so a seeded request is
+Seeds follow vLLM: a prompt's choice j samples with `seed + j` (mod 2**63), so a seeded request is
 reproducible and its choices differ; an unseeded random request was given a random seed when its
 sampling parameters were made (`GenerationService.sampling_params`), so the same holds. Greedy
 choices are identical.
 
-Usage counts as OpenAI does: the prompt once, the completions summed over the choices.
+Usage counts as OpenAI does: each prompt once, the completions summed over the choices.
 
 Each choice runs in a context of its own (`contextvars`), in which Serve's request context has
 an internal request id of the choice's own (`_own_serve_request`): Serve's request router keeps
@@ -38,6 +39,7 @@ from router.attempt import new_request_id
 from router.generation_chunk import GenerationChunk, Usage
 
 MAX_CHOICES = 16  # `n` above this is refused (400): each choice holds a sequence in decode
+MAX_PROMPTS = 16  # prompts in one completions request; more is refused (400)
 _SEEDS = 2**63  # SamplingParams' seed range
 
 Generate = Callable[[Request], AsyncIterator[GenerationChunk]]
@@ -55,39 +57,44 @@ def choice_requests(request: Request, n: int) -> list[Request]:
     return choices
 
 
-def total_usage(usages: Sequence[Usage]) -> Usage:
-    """The request's usage from its choices': the prompt once, completions summed; cached
-    tokens are the most any choice took from the prefix cache (with the prompt shared, the
-    tokens of it that were not computed again)."""
+def total_usage(usages: Sequence[Usage], n: int | None = None) -> Usage:
+    """The request's usage from its choices' (`n` a prompt, in index order; None: one prompt):
+    each prompt counted once, completions summed; a prompt's cached tokens are the most any of
+    its choices took from the prefix cache (with the prompt shared, the tokens of it that were
+    not computed again)."""
+    n = n or len(usages)
+    prompts = [usages[i : i + n] for i in range(0, len(usages), n)]
     return Usage(
-        prompt_tokens=usages[0].prompt_tokens,
+        prompt_tokens=sum(p[0].prompt_tokens for p in prompts),
         completion_tokens=sum(u.completion_tokens for u in usages),
-        cached_prompt_tokens=max(u.cached_prompt_tokens for u in usages),
+        cached_prompt_tokens=sum(max(u.cached_prompt_tokens for u in p) for p in prompts),
     )
 
 
 async def fan_out(
-    generate: Generate, requests: Sequence[Request]
+    generate: Generate, requests: Sequence[Request], n: int | None = None
 ) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """The chunks of the choices `requests`, as (choice index, chunk), each choice's in order,
-    up to each one's chunk with a finish reason; then the iteration ends.
+    """The chunks of the choices `requests` (`n` a prompt, prompt by prompt; None: all of one
+    prompt), as (choice index, chunk), each choice's in order, up to each one's chunk with a
+    finish reason; then the iteration ends.
 
-    Choice 0 starts alone; the others start after its first chunk (its prompt is prefilled and
-    cached by then). Nothing is yielded before every choice has its first chunk, so a refused
-    choice (429, 503, ...) fails the whole request before it is answered, with its own status.
-    A choice that fails later fails the iteration. However the iteration ends (finished,
-    failed, closed, cancelled), every choice's generation is closed, which aborts it and frees
-    its KV."""
-    streams: list[AsyncIterator[GenerationChunk]] = []
-    contexts: list[contextvars.Context] = []
+    Each prompt's choice 0 starts at once; the others start after every prompt's choice 0 has
+    its first chunk (its prompt is prefilled and cached by then). Nothing is yielded before
+    every choice has its first chunk, so a refused choice (429, 503, ...) fails the whole
+    request before it is answered, with its own status. A choice that fails later fails the
+    iteration. However the iteration ends (finished, failed, closed, cancelled), every choice's
+    generation is closed, which aborts it and frees its KV."""
+    n = n or len(requests)
+    streams: dict[int, AsyncIterator[GenerationChunk]] = {}
+    contexts: dict[int, contextvars.Context] = {}
     steps: dict[int, asyncio.Future] = {}
     loop = asyncio.get_running_loop()
 
     def start(i: int) -> None:
-        contexts.append(contextvars.copy_context())
+        contexts[i] = contextvars.copy_context()
         if i:
             contexts[i].run(_own_serve_request)
-        streams.append(generate(requests[i]))
+        streams[i] = generate(requests[i])
         step(i)
 
     def step(i: int) -> None:
@@ -100,21 +107,23 @@ async def fan_out(
         except StopAsyncIteration:
             raise PdServeError(f"choice {i} ended without a finish reason") from None
 
-    try:
-        start(0)
-        await asyncio.wait([steps[0]])
-        firsts = [taken(0)]
-        for i in range(1, len(requests)):
+    async def firsts(choices: list[int]) -> dict[int, GenerationChunk]:
+        for i in choices:
             start(i)
-        if steps:
-            await asyncio.wait(steps.values(), return_when=asyncio.FIRST_EXCEPTION)
-        for i in sorted(steps):  # a failed choice fails the request before it is answered
+        if choices:
+            await asyncio.wait([steps[i] for i in choices], return_when=asyncio.FIRST_EXCEPTION)
+        for i in choices:  # a failed choice fails the request before it is answered
             if steps[i].done() and steps[i].exception() is not None:
                 taken(i)
-        firsts += [taken(i) for i in range(1, len(requests))]
-        for i, chunk in enumerate(firsts):
-            yield i, chunk
-            if chunk.finish_reason is None:
+        return {i: taken(i) for i in choices}
+
+    try:
+        leaders = list(range(0, len(requests), n))
+        first = await firsts(leaders)
+        first |= await firsts([i for i in range(len(requests)) if i % n])
+        for i in range(len(requests)):
+            yield i, first[i]
+            if first[i].finish_reason is None:
                 step(i)
         while steps:
             await asyncio.wait(steps.values(), return_when=asyncio.FIRST_COMPLETED)
@@ -134,7 +143,7 @@ async def fan_out(
             for s in steps.values():
                 if not s.cancelled():
                     s.exception()  # retrieved: a failure another choice's already reported
-            for stream in streams:
+            for stream in streams.values():
                 await stream.aclose()  # type: ignore[attr-defined]
 
 

@@ -91,11 +91,11 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         model = _served_model(service, body.model)
         params = service.sampling_params(**body.sampling_fields(body.max_tokens))
         params.check_vocab(service.model.vocab_size)
-        prompt, prompt_token_ids = body.prompt_input()
-        request = await service.build_request(prompt, prompt_token_ids, params)
-        id, created = f"cmpl-{request.request_id}", int(time.time())
-        views = [CompletionView(id, created, model, service.token_text, i) for i in range(body.n)]
-        return await _answer(service, request, views, body)
+        prompts = [await service.build_request(*p, params) for p in body.prompt_inputs()]
+        id, created = f"cmpl-{prompts[0].request_id}", int(time.time())
+        choices = range(len(prompts) * body.n)  # prompt i's choice j is i * n + j, as vLLM's
+        views = [CompletionView(id, created, model, service.token_text, i) for i in choices]
+        return await _answer(service, prompts, views, body)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest) -> Response:
@@ -121,7 +121,7 @@ def openai_routes(get_service: Callable[[], GenerationService]) -> APIRouter:
         request = await service.build_request(None, prompt_token_ids, params)
         id, created = f"chatcmpl-{request.request_id}", int(time.time())
         views = [ChatView(id, created, model, service.token_text, plan, i) for i in range(body.n)]
-        return await _answer(service, request, views, body)
+        return await _answer(service, [request], views, body)
 
     return router
 
@@ -151,20 +151,22 @@ def _served_model(service: GenerationService, requested: str | None) -> str:
 
 async def _answer(
     service: GenerationService,
-    request: GenerationRequest,
+    prompts: Sequence[GenerationRequest],
     views: Sequence[CompletionView | ChatView],
     body: CompletionRequest | ChatCompletionRequest,
 ) -> Response:
-    """Generate the request's `n` choices (router/fan_out.py, one view each) and answer: a
+    """Generate each prompt's `n` choices (router/fan_out.py, one view each) and answer: a
     stream of events, or one response with every choice and the request's usage."""
-    chunks = fan_out(service.generate, choice_requests(request, len(views)))
+    requests = [c for prompt in prompts for c in choice_requests(prompt, body.n)]
+    chunks = fan_out(service.generate, requests, body.n)
     try:
         first = await _next(chunks)
     except BaseException:
         await _close(chunks)
         raise
     if body.stream:
-        usage = _Usage(len(request.prompt_token_ids), body.include_usage, body.continuous_usage)
+        prompt_tokens = tuple(len(r.prompt_token_ids) for r in requests)
+        usage = _Usage(prompt_tokens, body.n, body.include_usage, body.continuous_usage)
         return _EventStream(_events(chunks, first, views, usage))
     texts: list[list[str]] = [[] for _ in views]
     scored: list[Scored] = [[] for _ in views]
@@ -178,7 +180,7 @@ async def _answer(
         await _close(chunks)
     parts = zip(views, texts, lasts, scored, strict=True)
     responses = [view.response("".join(t), last, s) for view, t, last, s in parts]
-    return _json(merged(responses, total_usage([_usage(c) for c in lasts])))
+    return _json(merged(responses, total_usage([_usage(c) for c in lasts], body.n)))
 
 
 Choice = tuple[int, GenerationChunk]  # (choice index, chunk), as `fan_out` yields them
@@ -220,9 +222,11 @@ async def _next(chunks: AsyncIterator[Choice]) -> Choice:
 
 @dataclass(frozen=True)
 class _Usage:
-    """What a stream says of usage: `prompt_tokens`, and the request's `stream_options`."""
+    """What a stream says of usage: each choice's `prompt_tokens`, the choices a prompt (`n`),
+    and the request's `stream_options`."""
 
-    prompt_tokens: int
+    prompt_tokens: tuple[int, ...]
+    n: int
     at_end: bool  # include_usage: a last chunk with the request's usage
     on_every_chunk: bool  # continuous_usage_stats: each chunk its choice's usage so far
 
@@ -243,13 +247,14 @@ async def _events(
                 generated[i] += len(chunk.token_ids)
                 for payload in views[i].chunks(chunk, is_first=is_first):
                     if usage.on_every_chunk:
-                        so_far = chunk.usage or Usage(usage.prompt_tokens, generated[i])
+                        so_far = chunk.usage or Usage(usage.prompt_tokens[i], generated[i])
                         payload.usage = UsageInfo.of(so_far)
                     yield _event(payload)
                 if chunk.finish_reason is not None:
                     lasts[i] = _usage(chunk)
             if usage.at_end:
-                yield _event(views[0].usage_chunk(total_usage(lasts)))  # type: ignore[arg-type]
+                total = total_usage(lasts, usage.n)  # type: ignore[arg-type]
+                yield _event(views[0].usage_chunk(total))
         except PdServeError as e:
             yield _event(_error_response(e))
         except Exception:

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP payloads: request bodies in, response objects and stream chunks out.
 
 Requests ignore fields they do not know (the official client sends some); fields pdserve knows
-but cannot honour (`n` above `MAX_CHOICES`, batched prompts, `echo`, and those
-router/openai_unsupported.py lists: `best_of`, ...) are refused with a 400 that names them, never
-silently dropped. Responses follow OpenAI's shapes; the extra
-`pdserve_timing` object on the last response or chunk carries the phase timings.
+but cannot honour (`n` above `MAX_CHOICES`, more than `MAX_PROMPTS` prompts, `echo`, and
+those router/openai_unsupported.py lists: `best_of`, ...) are refused with a 400 that names
+them, never silently dropped. Responses follow OpenAI's shapes; the extra `pdserve_timing`
+object on the last response or chunk carries the phase timings.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from router.fan_out import MAX_CHOICES
+from router.fan_out import MAX_CHOICES, MAX_PROMPTS
 from router.generation_chunk import Timing, Usage
 from router.openai_structured import StructuredFields
 from router.openai_unsupported import UnsupportedChatFields, UnsupportedCompletionFields
@@ -129,7 +129,8 @@ class _SamplingBody(_Body, StructuredFields):
 
 
 class CompletionRequest(_SamplingBody, UnsupportedCompletionFields):
-    """`POST /v1/completions`. One prompt per request: text, token ids, or a list of one."""
+    """`POST /v1/completions`. A prompt (text or token ids), or a list of up to `MAX_PROMPTS`
+    of them, each answered with `n` choices."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's default; an explicit null takes the server default.
@@ -139,14 +140,9 @@ class CompletionRequest(_SamplingBody, UnsupportedCompletionFields):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ValueError(
-                    f"batched prompts are not supported: got {len(prompt)} prompts, send one "
-                    "prompt per request"
-                )
-            return prompt[0]
+    def _bounded_batch(cls, prompt: Any) -> Any:
+        if len(_batch(prompt)) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts a request, got {len(prompt)}")
         return prompt
 
     @property
@@ -160,11 +156,17 @@ class CompletionRequest(_SamplingBody, UnsupportedCompletionFields):
             raise ValueError("echo is not supported")
         return echo
 
-    def prompt_input(self) -> tuple[str | None, list[int] | None]:
-        """(text, token ids) for `GenerationService.build_request`; exactly one is set."""
-        if isinstance(self.prompt, str):
-            return self.prompt, None
-        return None, list(self.prompt)  # type: ignore[arg-type]
+    def prompt_inputs(self) -> list[tuple[str | None, list[int] | None]]:
+        """(text, token ids) of each prompt, for `GenerationService.build_request`; exactly one
+        of the two is set."""
+        return [(p, None) if isinstance(p, str) else (None, list(p)) for p in _batch(self.prompt)]
+
+
+def _batch(prompt: Any) -> list[Any]:
+    """A completion's prompts: a list of texts or of token-id lists, else the one prompt."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return prompt
+    return [prompt]
 
 
 class ContentPart(_Body):

@@ -113,8 +113,12 @@ class PromptTokenizer:
         """Chat messages rendered with the chat template (the model's, or the server's
         `--chat-template`) as `template` asks, tokenized."""
         template = template or TemplateCall()
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidArgument("this model has no chat template", param="messages")
+        own = self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None)
+        if self.tokenizer is None or not (template.template or own):
+            raise InvalidArgument(
+                "this model has no chat template (a server takes one by --chat-template)",
+                param="messages",
+            )
         if len(messages) > MAX_CHAT_MESSAGES:
             raise InvalidArgument(
                 f"at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}", param="messages"

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
+from cluster.errors import InvalidArgument
 from router.chat.chat_plan import ChatOptions
 from router.prompt_tokenizer import PromptTokenizer, TemplateCall
 from tests.router.fake_service import CHAT, assert_error
@@ -53,6 +54,17 @@ def test_the_servers_template_and_kwargs_render_the_prompt(prompts):
         "hi [abc]>"
     )
     assert _render(prompts, messages, TemplateCall({"greeting": ""}, False, False, own)) == "[abc]"
+
+
+def test_the_servers_template_serves_a_model_without_one(tokenizer_model_dir):
+    bare = AutoTokenizer.from_pretrained(tokenizer_model_dir)
+    bare.chat_template = None
+    prompts = PromptTokenizer(bare, 2048)
+    messages = [{"role": "user", "content": "abc"}]
+    with pytest.raises(InvalidArgument, match="no chat template"):
+        asyncio.run(prompts.chat(messages))
+    own = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    assert _render(prompts, messages, TemplateCall({}, True, False, own)) == "<abc>"
 
 
 def test_continue_final_message_leaves_the_last_turn_open(prompts):

@@ -2,7 +2,8 @@
 choice 0 starts alone and the others after its first chunk (so the prompt's KV is in the prefix
 cache for them), seeds seed + i, usage counted once for the prompt, streams with `index`,
 `continuous_usage_stats`, and every choice's generation closed however the request ends. The
-prefix-cache hit itself is shown on the real cluster (tests/e2e/test_openai_parity.py)."""
+prefix-cache hit itself is shown on the real cluster (tests/e2e/test_openai_parity.py). Batched
+prompts: each gives n choices (index i * n + j), each prompt counted once in usage."""
 
 from __future__ import annotations
 
@@ -224,3 +225,51 @@ def test_each_choice_calls_serve_under_an_internal_request_id_of_its_own() -> No
     ids = [seen[r.request_id] for r in requests]
     assert all(len(s) == 1 for s in ids)  # one id for every step of a choice
     assert ids[0] == {"req"} and len(set.union(*ids)) == 3
+
+
+# -- batched prompts ---------------------------------------------------------------------------
+
+
+def test_total_usage_counts_each_prompt_once() -> None:
+    usages = [Usage(10, 3, 0), Usage(10, 5, 8), Usage(4, 1, 0), Usage(4, 2, 0)]
+    assert total_usage(usages, 2) == Usage(14, 11, 8)
+
+
+@pytest.mark.parametrize("prompts", [["ab", "cdef"], [[1, 2], [3, 4, 5, 6]]])
+def test_batched_prompts_give_n_choices_each_at_index_i_n_plus_j(oai, fake, prompts) -> None:
+    out = oai.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=3, n=2, temperature=0.8, seed=5
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert all(c.text == " t0 t1 t2" for c in out.choices)
+    # Each prompt's choice 0 starts at once; the others once both are prefilled.
+    assert sorted(fake.log[:2]) == ["start 0", "start 1"]
+    assert sorted(fake.log[2:4]) == ["first 0", "first 1"]
+    assert [len(r.prompt_token_ids) for r in fake.generated] == [2, 4, 2, 4]
+    assert [r.params.seed for r in fake.generated] == [5, 5, 6, 6]  # seed + j per prompt
+    assert len({r.request_id for r in fake.generated}) == 4
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (6, 12)
+    assert out.usage.prompt_tokens_details.cached_tokens == 16 + 16  # the most, per prompt
+
+
+def test_batched_prompts_stream_with_each_prompts_usage(client, fake) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": ["ab", "cdef"], "max_tokens": 2, "n": 2, "stream": True}
+    *chunks, usage, done = sse_payloads(
+        client.post("/v1/completions", json={**body, "stream_options": options}).text
+    )
+    texts = {i: "" for i in range(4)}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        assert chunk["usage"]["prompt_tokens"] == [2, 4][choice["index"] // 2]
+    assert texts == {i: " t0 t1" for i in range(4)}
+    assert usage["usage"]["prompt_tokens"] == 6 and usage["usage"]["completion_tokens"] == 8
+    assert done == "[DONE]" and fake.opened == fake.closed == 4
+
+
+def test_a_refused_prompt_refuses_the_batch_and_closes_the_others(client, fake) -> None:
+    fake.refuse_choice = 1  # prompt 1's choice 0
+    body = {"prompt": ["ab", "cd", "ef"], "max_tokens": 3}
+    assert_error(client.post("/v1/completions", json=body), 429, "rate_limit_error")
+    assert fake.opened == fake.closed

@@ -4,6 +4,8 @@ completions and chat. The real end-to-end path is tested with the cluster (tests
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -32,6 +34,16 @@ def test_models_lists_the_checkpoint(client: TestClient, oai: openai.OpenAI) -> 
     [card] = body["data"]
     assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"] == "pdserve"
     assert [m.id for m in oai.models.list()] == [MODEL]
+    assert "sampling_defaults" not in card  # none: --generation-config vllm, or none in it
+
+
+def test_models_show_the_generation_config_defaults(client, fake) -> None:
+    defaults = (("temperature", 0.6), ("top_p", 0.95), ("top_k", 20.0))
+    fake.model = replace(fake.model, sampling_defaults=defaults)
+    [card] = client.get("/v1/models").json()["data"]
+    assert card["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20.0}
+    one = client.get(f"/v1/models/{MODEL}").json()
+    assert one["sampling_defaults"] == card["sampling_defaults"]
 
 
 # -- completions -------------------------------------------------------------------------------

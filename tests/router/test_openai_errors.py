@@ -35,8 +35,9 @@ from tests.router.fake_service import (
     [
         ("/v1/completions", {**COMPLETION, "n": 17}, "n", "1..16"),
         ("/v1/completions", {**COMPLETION, "n": 0}, "n", "1..16"),
-        ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt", "batched"),
-        ("/v1/completions", {**COMPLETION, "prompt": [[1], [2]]}, "prompt", "batched"),
+        ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 17}, "prompt", "at most 16"),
+        ("/v1/completions", {**COMPLETION, "prompt": [[1]] * 17}, "prompt", "at most 16"),
+        ("/v1/completions", {**COMPLETION, "prompt": ["a", ""]}, "prompt", "empty"),
         ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs", "logprobs"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, "logprobs: true"),
         (

@@ -42,23 +42,14 @@ def add_threads_option(p: argparse.ArgumentParser) -> None:
 def served_parser(doc: str | None, name: str, preset: str = "small") -> argparse.ArgumentParser:
     """`parser` and --grpc-port, for the benchmarks that deploy apps of their own."""
     p = parser(doc, name, preset)
-    p.add_argument(
-        "--grpc-port",
-        type=int,
-        default=0,
-        help="use the Serve already running in this process's Ray, its gRPC proxy on this port, "
-        "instead of starting a local Ray",
-    )
+    use = "use the Serve already running in this process's Ray, its gRPC proxy on this port, "
+    p.add_argument("--grpc-port", type=int, default=0, help=use + "instead of starting a local Ray")
     return p
 
 
 def add_out_option(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument(
-        "--out",
-        default=str(RESULTS / f"{name}.md"),
-        help=f"write the Markdown report here too (default: benchmarks/results/{name}.md; "
-        "'-': only print it)",
-    )
+    to = f"write the Markdown report here too (default: benchmarks/results/{name}.md; '-': "
+    p.add_argument("--out", default=str(RESULTS / f"{name}.md"), help=to + "only print it)")
 
 
 def model_dir(a: argparse.Namespace) -> Path:

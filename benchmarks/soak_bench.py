@@ -4,14 +4,14 @@ thread kills an engine replica every few seconds, as a crashed process.
     python -m benchmarks.soak_bench [--minutes 10] [--kill-every 60] [--time-scale 1.25]
         [--verify 48] [--out FILE]
 
-The trace (`cluster.client.workload`, scaled; looped with new prompts each pass for as long as
-the run lasts) is sent open loop, greedy, EOS ignored. Every `--kill-every` seconds, once both
-engine pools are whole, one of their replicas is killed at random (`ray.kill`); Serve starts
-another. Prints requests served, failed (by gRPC code) and migrated (`timing.migrations`), TTFT
-and ITL of the requests in flight during a kill against those during none, and every engine
-replica's KV blocks used and leased once the load has stopped (leaked blocks). Then the
-migrated requests (and others in flight during a kill, `--verify` in all) are sent again with
-nothing killed: a greedy stream that resumed elsewhere must give the same tokens."""
+The trace (scaled; looped with new prompts each pass while the run lasts) is sent open loop,
+EOS ignored, through Serve's gRPC proxy and the router's direct endpoint by turns, greedy and
+seeded sampling by turns of two. Every `--kill-every` seconds, once both engine pools are whole,
+one of their replicas is killed at random (`ray.kill`). Prints requests served, failed and
+migrated, per path and sampling too; TTFT and ITL of those in flight during a kill against the
+rest; KV blocks left once the load stops. The oracle: each request served while a kill was in
+flight, and `--verify` others, sent again on the quiet cluster the same way (path, sampling and
+seed: same seed, same tokens whatever the batch) must give the same tokens."""
 
 from __future__ import annotations
 
@@ -29,15 +29,8 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from benchmarks import serve_session as session
 from benchmarks.report import header, log, publish, served_parser
-from benchmarks.serve_session import (
-    deployed,
-    kv_transport,
-    measure_served,
-    small_pool,
-    stub,
-    wait_ready,
-)
 from benchmarks.trace_bench import SHARED_TRACE
 from cluster.client import workload as wl
 from cluster.client.bench_summary import BenchSummary, Distribution
@@ -52,6 +45,8 @@ APP = "soak"
 NUM_BLOCKS = 1024  # KV blocks per replica
 ENGINES = {"Prefill": 2, "Decode": 2}  # deployment -> replicas
 GROUPS = ("no kill in flight", "in flight during a kill", "migrated")
+PATHS, KINDS = ("proxy", "direct"), ("greedy", "sampled")  # request i: i % 2, i // 2 % 2
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # and the request's index as its seed
 
 
 @dataclass(frozen=True)
@@ -62,7 +57,7 @@ class Kill:
     back_s: float = math.nan  # until the pool was whole again
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class Outcome:
     """One request as the client saw it, with the migrations its final message reported and
     when its stream ended (last token or error), seconds from the start of the replay."""
@@ -70,6 +65,8 @@ class Outcome:
     record: RequestRecord
     migrations: int = 0
     ended_s: float = math.nan
+    path: str = PATHS[0]
+    kind: str = KINDS[0]
 
     def during(self, kill: Kill) -> bool:
         return self.record.sent_s <= kill.at_s <= self.ended_s
@@ -80,8 +77,7 @@ def looped_workload(
 ) -> wl.Workload:
     """The scaled trace repeated until `seconds`, each pass with prompts of its own (seed +
     pass) one mean gap after the previous pass's last arrival."""
-    out: list[wl.WorkloadRequest] = []
-    offset = 0.0
+    out, offset = [], 0.0
     for k in itertools.count():
         work = wl.trace_workload(entries, scale, info.vocab_size, info.max_context_length, seed + k)
         out += [replace(r, arrival_s=r.arrival_s + offset) for r in work.requests]
@@ -107,24 +103,15 @@ class SoakSummary:
     @staticmethod
     def of(outcomes: list[Outcome], kills: list[Kill]) -> SoakSummary:
         served = [o for o in outcomes if o.record.ok]
+        hit = [o for o in served if any(o.during(k) for k in kills)]
         return SoakSummary(
-            outcomes,
-            kills,
-            dict(Counter(o.record.status for o in outcomes if not o.record.ok)),
-            sum(o.migrations for o in served),
-            sum(o.migrations > 0 for o in served),
+            outcomes, kills, dict(Counter(o.record.status for o in outcomes if not o.record.ok)),
+            sum(o.migrations for o in served), sum(o.migrations > 0 for o in served),
             sum(o.record.output_tokens != o.record.max_tokens for o in served),
-            {
-                GROUPS[0]: [o for o in served if not any(o.during(k) for k in kills)],
-                GROUPS[1]: [o for o in served if any(o.during(k) for k in kills)],
-                GROUPS[2]: [o for o in served if o.migrations],
-            },
+            {GROUPS[0]: [o for o in served if o not in hit], GROUPS[1]: hit,
+             GROUPS[2]: [o for o in served if o.migrations]},
             [sum(o.during(k) for o in outcomes) for k in kills],
-        )
-
-    def gaps(self, group: str) -> list[float]:
-        """Every inter-token latency of the group's requests."""
-        return [g for o in self.groups[group] for g in o.record.itl_s]
+        )  # fmt: skip
 
 
 def chaos(t0: float, every_s: float, until_s: float, seed: int, stop, kills: list[Kill]):
@@ -137,8 +124,7 @@ def chaos(t0: float, every_s: float, until_s: float, seed: int, stop, kills: lis
         wait_whole(timeout_s=every_s, stop=stop)
         if stop.is_set() or time.perf_counter() - t0 >= until_s:
             return
-        deployment = rng.choice(sorted(ENGINES))
-        name = rng.choice(replica_names(deployment))
+        name = rng.choice(replica_names(deployment := rng.choice(sorted(ENGINES))))
         kill = Kill(time.perf_counter() - t0, deployment, name.rsplit("#", 1)[-1])
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         log(f"[{kill.at_s:6.1f} s] killed {deployment} replica {kill.replica}")
@@ -161,46 +147,42 @@ def wait_whole(timeout_s: float, stop: threading.Event | None = None, gone: str 
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not (stop and stop.is_set()):
-        deployments = serve.status().applications[APP].deployments
-        if all(
-            deployments[d].replica_states.get("RUNNING", 0) == n
-            and len(names := replica_names(d)) == n
-            and gone not in names
-            for d, n in ENGINES.items()
-        ):
+        ds = serve.status().applications[APP].deployments
+        if all(ds[d].replica_states.get("RUNNING", 0) == n == len(names := replica_names(d))
+               and gone not in names for d, n in ENGINES.items()):  # fmt: skip
             return time.perf_counter()
         time.sleep(0.5)
     return 0.0
 
 
-async def send(
-    target: str, requests: list[wl.WorkloadRequest], t0: float, timeout_s: float, limit: int = 0
-) -> list[Outcome]:
-    """Every request sent at its arrival (seconds after `t0`), open loop (at most `limit` at
-    once when given); their outcomes in order."""
+async def send(targets: dict[str, str], requests: dict[int, wl.WorkloadRequest], t0: float,
+               timeout_s: float, limit: int = 0) -> list[Outcome]:  # fmt: skip
+    """Each request sent at its arrival (seconds after `t0`) by its path (`targets`: path ->
+    host:port), open loop (at most `limit` at once when given); their outcomes in order."""
     gate = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
-    async with grpc.aio.insecure_channel(target) as channel:
-        grpc_stub = pb_grpc.GenerationStub(channel)
+    async with contextlib.AsyncExitStack() as stack:
+        enter, aio = stack.enter_async_context, grpc.aio.insecure_channel
+        stubs = {p: pb_grpc.GenerationStub(await enter(aio(t))) for p, t in targets.items()}
 
         async def one(i: int, req: wl.WorkloadRequest) -> Outcome:
             rec = RequestRecord(i, req.arrival_s, len(req.prompt_token_ids), req.max_tokens)
-            out = Outcome(rec)
+            out = Outcome(rec, 0, math.nan, PATHS[i % 2], KINDS[i // 2 % 2])
             await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
             async with gate:
-                await stream(grpc_stub, req, out, t0, timeout_s)
+                await stream(stubs[out.path], req, out, t0, timeout_s)
             return out
 
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+        return list(await asyncio.gather(*(one(i, r) for i, r in requests.items())))
 
 
 async def stream(grpc_stub, req: wl.WorkloadRequest, out: Outcome, t0: float, timeout_s: float):
-    """One greedy `Generate` stream into `out` (as `cluster.client.load_generator` records it,
-    plus the migrations and the time the stream ended)."""
+    """One `Generate` stream into `out`, as `cluster.client.load_generator` records it, plus
+    the migrations and the time the stream ended; sampled ones seeded with their index."""
     rec = out.record
-    sampling = pb.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+    kind = {**SAMPLED, "seed": rec.index} if out.kind == KINDS[1] else {"temperature": 0.0}
+    sampling = pb.SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, **kind)
     request = pb.GenerateRequest(prompt_token_ids=req.prompt_token_ids, sampling=sampling)
-    rec.sent_s = time.perf_counter() - t0
-    last = None
+    rec.sent_s, last = time.perf_counter() - t0, None
     try:
         calls = grpc_stub.Generate(request, metadata=app_metadata(APP), timeout=timeout_s)
         async for msg in calls:
@@ -217,12 +199,10 @@ async def stream(grpc_stub, req: wl.WorkloadRequest, out: Outcome, t0: float, ti
 
 
 def settled_replicas(proxy, timeout_s: float) -> tuple[list[pb.ReplicaStats], float]:
-    """GetStats once every engine replica alive has reported (the dead ones aged out) and
-    none holds KV blocks or runs a sequence, or at timeout: the replicas and the seconds it
-    took. Replicas push stats every second, so the first look waits that long."""
+    """GetStats once every live engine replica has reported (the dead aged out) and none holds
+    KV blocks or runs a sequence (stats come each second), or at timeout; and the seconds."""
     live = {n.rsplit("#", 1)[-1] for d in ENGINES for n in replica_names(d)}
-    began = time.monotonic()
-    deadline = began + timeout_s
+    deadline = (began := time.monotonic()) + timeout_s
     time.sleep(1.3)
     while True:
         stats = proxy.GetStats(pb.GetStatsRequest(), metadata=app_metadata(APP))
@@ -233,15 +213,16 @@ def settled_replicas(proxy, timeout_s: float) -> tuple[list[pb.ReplicaStats], fl
         time.sleep(0.5)
 
 
-def verify(target: str, work: wl.Workload, summary: SoakSummary, limit: int) -> tuple[int, int]:
-    """The migrated requests, then others in flight during a kill, up to `limit`, sent again
-    (8 at a time, nothing killed): (how many, how many gave other tokens)."""
-    hit = summary.groups[GROUPS[1]]
-    picked = (summary.groups[GROUPS[2]] + [o for o in hit if not o.migrations])[:limit]
-    again = [replace(work.requests[o.record.index], arrival_s=0.0) for o in picked]
-    redone = asyncio.run(send(target, again, time.perf_counter(), 120.0, limit=8))
+def verify(targets, work: wl.Workload, s: SoakSummary, others: int) -> dict[int, bool]:
+    """The oracle: each request served while a kill was in flight (or migrated), then `others`
+    at random, sent again as before, 8 at a time: request index -> the same tokens."""
+    hit = {o.record.index: o for o in s.groups[GROUPS[1]] + s.groups[GROUPS[2]]}
+    calm = [o for o in s.groups[GROUPS[0]] if o.record.index not in hit]
+    picked = [*hit.values(), *random.Random(0).sample(calm, min(others, len(calm)))]
+    again = {o.record.index: replace(work.requests[o.record.index], arrival_s=0.0) for o in picked}
+    redone = asyncio.run(send(targets, again, time.perf_counter(), 120.0, limit=8))
     pairs = zip(picked, redone, strict=True)
-    return len(picked), sum(a.record.token_ids != b.record.token_ids for a, b in pairs)
+    return {a.record.index: a.record.token_ids == b.record.token_ids for a, b in pairs}
 
 
 @dataclass
@@ -250,42 +231,40 @@ class SoakRun:
     summary: SoakSummary
     replicas: list[pb.ReplicaStats]
     settle_s: float
-    checked: tuple[int, int]
+    checked: dict[int, bool]  # request index -> the same tokens when sent again
     kv_transport: str
     load_s: float
 
 
 def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> SoakRun:
     import ray
+    from ray import serve
 
     if not ray.is_initialized():  # --grpc-port: someone else's Ray, on this node
         ray.init(address="auto", logging_level="warning")
-    target, proxy, pool = f"127.0.0.1:{grpc_port}", stub(grpc_port), small_pool(NUM_BLOCKS, 32)
-    prefill, decode = (replace(pool, replicas=ENGINES[d]) for d in ("Prefill", "Decode"))
-    config = AppConfig(
-        ModelConfig(model_dir), router=pool, prefill=prefill, decode=decode, name=APP
-    )
-    with deployed([config]):
-        wait_ready(proxy, APP, list(range(16, 48)))
-        info = asyncio.run(model_info(target, APP))
-        scale = wl.TraceScale(time=a.time_scale)
+    proxy, pool = session.stub(grpc_port), session.small_pool(NUM_BLOCKS, 32)
+    engines = {d.lower(): replace(pool, replicas=n) for d, n in ENGINES.items()}
+    config = AppConfig(ModelConfig(model_dir), router=pool, name=APP, **engines)
+    with session.deployed([config]):
+        session.wait_ready(proxy, APP, list(range(16, 48)))
+        router = serve.get_deployment_handle("Router", app_name=APP)
+        to = {"proxy": f"127.0.0.1:{grpc_port}", "direct": router.grpc_endpoint.remote().result()}
+        session.wait_ready(pb_grpc.GenerationStub(grpc.insecure_channel(to["direct"])), APP, [16])
+        info, scale = asyncio.run(model_info(to["proxy"], APP)), wl.TraceScale(time=a.time_scale)
         work = looped_workload(wl.load_trace(a.trace), scale, info, a.minutes * 60, 0)
         log(f"soak: {work.description}, a kill every {a.kill_every:g} s")
-        t0 = time.perf_counter() + 1.0
-        stop, kills = threading.Event(), []
+        t0, stop, kills = time.perf_counter() + 1.0, threading.Event(), []
         args = (t0, a.kill_every, a.minutes * 60, 0, stop, kills)
-        killer = threading.Thread(target=chaos, args=args, name="chaos", daemon=True)
-        killer.start()
-        outcomes = asyncio.run(send(target, list(work.requests), t0, 300.0))
+        (killer := threading.Thread(target=chaos, args=args, name="chaos", daemon=True)).start()
+        outcomes = asyncio.run(send(to, dict(enumerate(work.requests)), t0, 300.0))
         load_s = time.perf_counter() - t0
         stop.set()
         killer.join()
         log("load stopped; waiting for the pools and their KV blocks to settle")
         wait_whole(timeout_s=300.0)
-        replicas, settle_s = settled_replicas(proxy, 60.0)
-        summary = SoakSummary.of(outcomes, kills)
-        checked = verify(target, work, summary, a.verify)
-    return SoakRun(work, summary, replicas, settle_s, checked, kv_transport(config), load_s)
+        settled = settled_replicas(proxy, 60.0)
+        checked = verify(to, work, summary := SoakSummary.of(outcomes, kills), a.verify)
+    return SoakRun(work, summary, *settled, checked, session.kv_transport(config), load_s)
 
 
 def table(head: list[str], rows: list[list]) -> list[str]:
@@ -293,9 +272,36 @@ def table(head: list[str], rows: list[list]) -> list[str]:
     return [lines[0], "|" + "---|" * len(head), *lines[1:]]
 
 
+def split_rows(s: SoakSummary, checked: dict[int, bool]) -> list[str]:
+    """Requests served, failed and migrated by path and sampling, and the oracle's counts."""
+
+    def row(name: str, outs: list[Outcome]) -> list:
+        ok = [o for o in outs if o.record.ok]
+        again = [checked[o.record.index] for o in outs if o.record.index in checked]
+        hit = sum(any(o.during(k) for k in s.kills) for o in outs)
+        return [name, len(outs), len(ok), len(outs) - len(ok), sum(o.migrations > 0 for o in ok),
+                hit, len(again), again.count(False)]  # fmt: skip
+
+    by = [(f"{p}, {k}", [o for o in s.outcomes if (o.path, o.kind) == (p, k)])
+          for p, k in itertools.product(PATHS, KINDS)]  # fmt: skip
+    return table(["path, sampling", "sent", "served", "failed", "migrated",
+                  "in flight during a kill", "sent again", "other tokens"],
+                 [row(*x) for x in [*by, ("all", s.outcomes)]])  # fmt: skip
+
+
+def by_pool(records: list[RequestRecord]) -> tuple[list[RequestRecord], int]:
+    """The records, with "" for decode replicas that are prefill ones (the router names the last
+    token's hop: a prefill when one token was asked or a migration's prefill gave the last),
+    and how many those are."""
+    prefill = {r.timing.prefill_replica for r in records if r.timing}
+    wrong = [bool(r.timing and r.timing.decode_replica in prefill) for r in records]
+    return [replace(r, timing=replace(r.timing, decode_replica="")) if w else r
+            for r, w in zip(records, wrong, strict=True)], sum(wrong)  # fmt: skip
+
+
 def latency_rows(s: SoakSummary) -> list[str]:
     ttft = {g: Distribution.of([o.record.ttft_s for o in s.groups[g]]) for g in GROUPS}
-    gaps = {g: s.gaps(g) for g in GROUPS}
+    gaps = {g: [x for o in s.groups[g] for x in o.record.itl_s] for g in GROUPS}
     itl = {g: Distribution.of(gaps[g]) for g in GROUPS}
 
     def pct(d: Distribution) -> str:
@@ -319,74 +325,73 @@ def latency_rows(s: SoakSummary) -> list[str]:
 def render(a: argparse.Namespace, argv: list[str], run: SoakRun, wall_s: float) -> str:
     s, leaked = run.summary, sum(r.kv_blocks_used + r.kv_blocks_leased for r in run.replicas)
     failed = ", ".join(f"{k} {v}" for k, v in sorted(s.failures.items())) or "none"
-    n, differ = run.checked
+    n, differ = len(run.checked), list(run.checked.values()).count(False)
+    records, misnamed = by_pool([o.record for o in s.outcomes])
     title = "pdserve soak: the trace replayed while engine replicas are killed"
     lines = [
         *header(title, "soak_bench", argv),
         f"- wall time {wall_s:.0f} s; load for {run.load_s:.0f} s; {run.work.description}",
         f"- app: 1 router, 2 prefill x 2 decode replicas of one torch thread, {NUM_BLOCKS} KV "
         f"blocks of 16 tokens each, KV transport {run.kv_transport}; {a.preset} model",
+        "- by turns through Serve's gRPC proxy and the router's direct endpoint; greedy and "
+        f"sampled ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())}, a seed each) by twos",
         "",
         f"**Requests: {len(s.outcomes)} sent, {len(s.outcomes) - sum(s.failures.values())} "
         f"served, failed: {failed}.** Migrations: {s.migrations} over {s.migrated} requests. "
         f"Served with another number of tokens than asked: {s.wrong_length}.",
         f"**KV blocks used or leased after the load, over every engine replica: {leaked}** "
         f"(settled in {run.settle_s:.1f} s).",
-        f"Same tokens when sent again with nothing killed: {n - differ} of {n} "
-        "(the migrated requests first, then others in flight during a kill).",
+        f"**Same tokens when sent again on the quiet cluster: {n - differ} of {n}; other "
+        f"tokens: {differ}** (every request served while a kill was in flight, then others "
+        "at random; each by its path, with its sampling and seed).",
+        "",
+        *split_rows(s, run.checked),
         "",
         *latency_rows(s),
         "",
         f"## {len(s.kills)} kills",
         "",
-        *table(
-            ["at (s)", "replica killed", "requests in flight", "pool whole again after (s)"],
-            [
-                [f"{k.at_s:.1f}", f"{k.deployment} {k.replica}", m, f"{k.back_s:.1f}"]
-                for k, m in zip(s.kills, s.in_flight, strict=True)
-            ],
-        ),
+        *table(["at (s)", "replica killed", "requests in flight", "pool whole again after (s)"],
+               [[f"{k.at_s:.1f}", f"{k.deployment} {k.replica}", m, f"{k.back_s:.1f}"]
+                for k, m in zip(s.kills, s.in_flight, strict=True)]),
         "",
         "## Engine replicas after the load",
         "",
-        *table(
-            ["pool", "replica", "KV blocks used", "leased", "running", "waiting"],
-            [
-                [r.pool, r.replica_id, r.kv_blocks_used, r.kv_blocks_leased, r.running, r.waiting]
-                for r in run.replicas
-            ],
-        ),
+        *table(["pool", "replica", "KV blocks used", "leased", "running", "waiting"],
+               [[r.pool, r.replica_id, r.kv_blocks_used, r.kv_blocks_leased, r.running,
+                 r.waiting] for r in run.replicas]),
         *failures(s),
         "",
         "## All requests",
         "",
-        *BenchSummary.of([o.record for o in s.outcomes]).render(),
-    ]
+        f"Replicas by their pool: the {misnamed} requests whose timing names a prefill replica "
+        "as their decode one (a prefill hop gave their last token) count as decode `?`.",
+        *BenchSummary.of(records).render(),
+    ]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def failures(s: SoakSummary, limit: int = 20) -> list[str]:
-    """The failed requests (up to `limit`): code, details, tokens received, kills in flight."""
+    """The failed requests (up to `limit`): how sent, code, details, tokens, kills in flight."""
     bad = [o for o in s.outcomes if not o.record.ok]
     return ["", f"## Failed requests ({len(bad)})", ""] * bool(bad) + [
-        f"- request {o.record.index}, {o.record.sent_s:.1f}-{o.ended_s:.1f} s: {o.record.status} "
-        f"{o.record.error!r} after {o.record.output_tokens} of {o.record.max_tokens} tokens; "
-        f"kills: {', '.join(f'{k.deployment} at {k.at_s:.1f} s' for k in s.kills if o.during(k))}"
-        for o in bad[:limit]
+        f"- request {r.index} ({o.path}, {o.kind}), {r.sent_s:.1f}-{o.ended_s:.1f} s: {r.status} "
+        f"{r.error!r} after {r.output_tokens} of {r.max_tokens} tokens; kills: "
+        f"{', '.join(f'{k.deployment} at {k.at_s:.1f} s' for k in s.kills if o.during(k))}"
+        for o, r in ((o, o.record) for o in bad[:limit])
     ]
 
 
 def main(argv: list[str] | None = None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = served_parser(__doc__, "soak")
-    p.set_defaults(preset="tiny")
+    p = served_parser(__doc__, "soak", preset="tiny")
     p.add_argument("--minutes", type=float, default=10.0, help="how long the trace is sent")
     p.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
     p.add_argument("--trace", default=str(SHARED_TRACE), help="Mooncake-format JSONL trace")
     p.add_argument("--time-scale", type=float, default=1.25)
-    p.add_argument("--verify", type=int, default=48, help="requests sent again (0: none)")
+    p.add_argument("--verify", type=int, default=48, help="others sent again, at random")
     a = p.parse_args(argv)
-    run, wall_s = measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
+    run, wall_s = session.measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
     return publish(render(a, argv, run, wall_s), a.out)
 
 

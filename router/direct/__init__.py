@@ -15,6 +15,11 @@ tests/router/direct/, grpc core's server the model:
 - connections open at once [128]: one more is sent GOAWAY (ENHANCE_YOUR_CALM) and closed;
 - streams open at once per connection [256] (SETTINGS_MAX_CONCURRENT_STREAMS): one more is a
   protocol error that closes the connection;
+- a frame [16 KiB: SETTINGS_MAX_FRAME_SIZE, HTTP/2's default, limits.py's `MAX_FRAME_BYTES`]:
+  one that claims more is GOAWAY FRAME_SIZE_ERROR from its 9-byte header, before any of it is
+  buffered (h2 alone would buffer up to 16 MiB first; frame_check.py); and the client's first
+  frame after its preface must be SETTINGS (RFC 9113, 3.4), else GOAWAY PROTOCOL_ERROR, no
+  stream served;
 - a request's header list [8 KiB] (SETTINGS_MAX_HEADER_LIST_SIZE, held by `h2`'s HPACK decoder
   from the connection's first byte, before the client acknowledges the SETTINGS): more closes
   the connection;
@@ -41,9 +46,10 @@ tests/router/direct/, grpc core's server the model:
 
 Memory: what clients can make the endpoint hold before any call runs is at most
 `DirectLimits.memory_bound_bytes()`: per connection its window, its write bound, its streams'
-state and header lists (counted at 4x their HPACK size, above the worst case measured)
-and its own state; at the defaults about 14 MiB a connection, 1.8 GiB for 128 (the tests
-measure an attack of 1,000 streams and a PING flood against the bound at their limits).
+state and header lists (counted at 4x their HPACK size, above the worst case measured), a
+frame not yet whole (16 KiB and its header, at most) and its own state; at the defaults about
+14 MiB a connection, 1.8 GiB for 128 (the tests measure an attack of 1,000 streams and a PING
+flood against the bound at their limits).
 
 Not bounded: the rate of SETTINGS frames and stream resets (h2 answers them; the write bound
 drops a client that does not read the answers); a connection's age (no max_connection_age).

@@ -35,6 +35,7 @@ from hyperframe.frame import GoAwayFrame
 
 from router.direct.admission import Admission
 from router.direct.connection_guard import ConnectionGuard
+from router.direct.frame_check import FrameCheck
 from router.direct.grpc_call import GrpcCall, Method
 from router.direct.limits import DEFAULT_WINDOW, DirectLimits
 
@@ -74,6 +75,7 @@ class GrpcConnection(asyncio.Protocol):
         self.limits = limits
         self.admission = admission
         self.h2 = h2.connection.H2Connection(_H2)
+        self.frames = FrameCheck()  # frame headers, checked before h2 buffers their frames
         self.calls: dict[int, GrpcCall] = {}
         self.waiting: set[GrpcCall] = set()  # calls whose responses a window holds back
         self.paused = False
@@ -118,11 +120,16 @@ class GrpcConnection(asyncio.Protocol):
         """Hand `data` to h2 a slice at a time: h2 parses all it is given before its events
         are seen, so a read of tiny frames (a flood of PINGs) would become that many events
         and answers at once; a slice bounds them, and a flood stops at the slice that ends
-        the connection."""
+        the connection. Each slice's frame headers are checked first (frame_check.py): the
+        bytes before one that fails go to h2, then GOAWAY with its error."""
         for start in range(0, len(data), READ_SLICE):
             if self.guard is None or self.closed():
                 return  # refused, or ended by what came before
-            self._receive(data[start : start + READ_SLICE])
+            piece = data[start : start + READ_SLICE]
+            failed = self.frames.check(piece, self.h2.max_inbound_frame_size)
+            self._receive(piece if failed is None else piece[: failed[0]])
+            if failed is not None and not self.closed():
+                self.refuse(failed[1], "a frame header (SETTINGS not first, or too long a frame)")
         if self.guard is not None and not self.closed():
             if self.calls:
                 self.guard.busy()
@@ -134,11 +141,7 @@ class GrpcConnection(asyncio.Protocol):
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as e:
-            log.info("closing a gRPC connection on a protocol error: %s", e)
-            if self.h2.state_machine.state != h2.connection.ConnectionState.CLOSED:
-                # h2 sends no GOAWAY for a bad preface: this one is ours
-                self.h2.close_connection(error_code=h2.errors.ErrorCodes.PROTOCOL_ERROR)
-            self.close()  # after the GOAWAY
+            self.refuse(h2.errors.ErrorCodes.PROTOCOL_ERROR, e)
             return
         for event in events:
             if isinstance(event, h2.events.DataReceived):
@@ -190,28 +193,28 @@ class GrpcConnection(asyncio.Protocol):
 
     def open(self, stream_id: int, headers: dict[bytes, bytes]) -> None:
         """A request's headers: an HTTP-level refusal at once, or a call waiting for its
-        request message."""
+        request message. A refusal of a stream the client has reset already (later in the
+        same read), or on a connection h2 has closed, is dropped (`on_stream`)."""
         if self.stopping:
-            self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
-        elif headers.get(b":method") != b"POST":
-            self.h2.send_headers(stream_id, [(b":status", b"405")], end_stream=True)
+            self.on_stream(self.h2.reset_stream, stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
+        if headers.get(b":method") != b"POST":
+            refusal = [(b":status", b"405")]
         elif not headers.get(b"content-type", b"").startswith(b"application/grpc"):
-            self.h2.send_headers(stream_id, [(b":status", b"415")], end_stream=True)
+            refusal = [(b":status", b"415")]
         elif headers.get(b"grpc-encoding", b"identity") != b"identity":
             details = f"grpc-encoding {headers[b'grpc-encoding']!r} is not supported"
-            self.h2.send_headers(
-                stream_id,
-                [*_RESPONSE_HEADERS, (b"grpc-accept-encoding", b"identity")]
-                + status_headers(grpc.StatusCode.UNIMPLEMENTED, details),
-                end_stream=True,
-            )
+            refusal = [*_RESPONSE_HEADERS, (b"grpc-accept-encoding", b"identity")]
+            refusal += status_headers(grpc.StatusCode.UNIMPLEMENTED, details)
         else:
             self.calls[stream_id] = GrpcCall(self, stream_id, headers)
+            return
+        self.on_stream(self.h2.send_headers, stream_id, refusal, end_stream=True)
 
     def start(self, stream_id: int) -> None:
-        """The request is whole: run its call."""
+        """The request is whole: run its call, unless h2 closed the connection (no answer)."""
         call = self.calls.get(stream_id)
-        if call is not None and call.task is None:
+        if call is not None and call.task is None and not self.h2_closed():
             method = self.methods.get(call.headers.get(b":path", b""))
             call.task = self.loop.create_task(call.run(method))
 
@@ -234,8 +237,9 @@ class GrpcConnection(asyncio.Protocol):
         """Frame one response for `call`; a future to wait on while flow control (or a full
         socket buffer) holds it back, or until this turn's write once `TURN_BYTES` are framed;
         else None."""
-        if call.gone:
-            raise asyncio.CancelledError  # the stream is reset: its method is closed
+        if call.gone or self.h2_closed():  # the stream is reset, or the connection closed:
+            call.gone = call.interrupted = True  # this is the task's one cancel
+            raise asyncio.CancelledError  # and its method is closed
         body = message.SerializeToString()
         data = b"\x00" + len(body).to_bytes(4, "big") + body
         if not call.headers_sent:
@@ -275,12 +279,24 @@ class GrpcConnection(asyncio.Protocol):
         headers = status_headers(code, details)
         if not call.headers_sent:
             headers = [*_RESPONSE_HEADERS, *headers]
+        if self.on_stream(self.h2.send_headers, call.stream_id, headers, end_stream=True):
+            self.guard.sent()
+            self._flush_soon()
+
+    def on_stream(self, send: Any, *args: Any, **kwargs: Any) -> bool:
+        """`send`, an h2 method framing for one stream; nothing, and False, where the stream
+        is closed (reset, in this read or before) or the connection is (the client's GOAWAY, a
+        connection error): one stream's end never reaches the others, nor a call's task."""
+        if self.h2_closed():
+            return False
         try:
-            self.h2.send_headers(call.stream_id, headers, end_stream=True)
-        except h2.exceptions.StreamClosedError:
-            return  # reset by the client meanwhile
-        self.guard.sent()
-        self._flush_soon()
+            send(*args, **kwargs)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.StreamIDTooLowError):
+            return False  # too low: closed, and forgotten since (h2 lets closed streams go)
+        return True
+
+    def h2_closed(self) -> bool:
+        return self.h2.state_machine.state is h2.connection.ConnectionState.CLOSED
 
     # -- writing -------------------------------------------------------------------------
 
@@ -298,7 +314,10 @@ class GrpcConnection(asyncio.Protocol):
             )
             if room <= 0:
                 return
-            self.h2.send_data(call.stream_id, bytes(call.pending[:room]))
+            if not self.on_stream(self.h2.send_data, call.stream_id, bytes(call.pending[:room])):
+                call.pending.clear()  # the stream or the connection is closed: no client
+                call.cancel(gone=True)
+                break
             del call.pending[:room]
         if not call.pending:
             self.waiting.discard(call)
@@ -348,6 +367,13 @@ class GrpcConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def refuse(self, error: h2.errors.ErrorCodes, why: object) -> None:
+        """A connection error: GOAWAY with `error` (unless h2 has sent its own), then close."""
+        log.info("closing a gRPC connection on a protocol error (%s): %s", error.name, why)
+        if not self.h2_closed():  # h2 sends none for a bad preface: this one is ours
+            self.h2.close_connection(error_code=error)
+        self.close()  # after the GOAWAY
+
     def calm_down(self) -> None:
         """Too many PINGs: GOAWAY ENHANCE_YOUR_CALM, and the connection closes."""
         log.info("closing a gRPC connection: too many pings")
@@ -364,9 +390,6 @@ class GrpcConnection(asyncio.Protocol):
         and the stream reset (NO_ERROR: the response is complete), its window given back."""
         details = f"the request did not arrive within {self.limits.receive_timeout_s:g} s"
         self.end(call, grpc.StatusCode.DEADLINE_EXCEEDED, details)
-        try:
-            self.h2.reset_stream(call.stream_id, h2.errors.ErrorCodes.NO_ERROR)
-        except h2.exceptions.StreamClosedError:
-            pass
+        self.on_stream(self.h2.reset_stream, call.stream_id, h2.errors.ErrorCodes.NO_ERROR)
         self.forget(call)
         self._flush_soon()

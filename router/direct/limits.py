@@ -19,6 +19,11 @@ STREAM_STATE_BYTES = 4 << 10
 HEADER_OBJECT_FACTOR = 4
 # A connection's own state: h2's connection, HPACK tables, the protocol and asyncio transport.
 CONNECTION_STATE_BYTES = 64 << 10
+# SETTINGS_MAX_FRAME_SIZE, HTTP/2's default, which the endpoint keeps: a frame that claims more
+# is refused (GOAWAY FRAME_SIZE_ERROR) before any of it is buffered (frame_check.py), so h2
+# holds at most this and a 9-byte header of a frame not yet whole.
+MAX_FRAME_BYTES = 16 << 10
+READ_BUFFER_BYTES = 9 + MAX_FRAME_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +86,13 @@ class DirectLimits:
 
     def connection_bound_bytes(self) -> int:
         """The most one connection holds: its request window, its write buffer, its streams'
-        state and header lists, its own state."""
+        state and header lists, a frame not yet whole, its own state."""
         per_stream = STREAM_STATE_BYTES + HEADER_OBJECT_FACTOR * self.max_header_list_bytes
         return (
             self.connection_window_bytes
             + self.write_buffer_bytes
             + self.max_streams * per_stream
+            + READ_BUFFER_BYTES
             + CONNECTION_STATE_BYTES
         )
 

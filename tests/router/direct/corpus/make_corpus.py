@@ -83,6 +83,10 @@ def ok_seeds() -> dict[str, bytes]:
         + raw(0xFA, 0xFF, 1, b"an extension frame is ignored")
         + headers(1, grpc_headers(b"/pdserve.v1.Generation/GetModelInfo"))
         + raw(DATA, END_STREAM, 1, frame(b"")),
+        "ok_reset_refusal_then_call": HELLO  # the 405 of stream 1 dropped, h2 forgot it
+        + headers(1, [(b":method", b"GET"), *grpc_headers()[1:]])
+        + raw(RST, 0, 1, bytes(4))
+        + call(3),
         "ok_priority_then_two_calls": HELLO
         + raw(PRIORITY, 0, 1, (3).to_bytes(4, "big") + b"\x10")
         + call(1)

@@ -63,7 +63,11 @@ def test_bench_over_openai_http_measures_the_same_workload(apps, capsys, tmp_pat
     grpc_out = run_cli(capsys, "bench", "--target", apps.grpc_target, "--application", PD,
                        "--vocab-size", "512", *common)  # fmt: skip
     http = f"{apps.http_base}/pd/v1"
-    http_out = run_cli(capsys, "bench", "--backend", "openai", "--base-url", http, *common)
+    # The same workload under `vllm bench serve`'s flag names, at 2 requests a second.
+    vllm_names = ("--num-prompts", "4", "--dataset-name", "random", "--random-input-len", "24",
+                  "--random-output-len", "6", "--request-rate", "2", "--seed", "3", "--json",
+                  "--no-progress")  # fmt: skip
+    http_out = run_cli(capsys, "bench", "--backend", "openai", "--base-url", http, *vllm_names)
     assert http_out["backend"] == "openai" and http_out["target"] == http
     for out in (grpc_out, http_out):
         assert out["completed"] == 4 and out["failed"] == 0

@@ -231,13 +231,17 @@ def test_a_prefill_replica_killed_around_the_hand_off_costs_no_request(
 ):
     """Killed as the first prompt's KV starts to move: the others are still prefilling, or
     their KV is on its way from the dead replica; all of them are prefilled again elsewhere
-    (the routers called the prefill pool more than once for some of them)."""
-    before = _settled_prefill_calls(faults.metrics_port)
-    streams = _run_killing(faults, "Prefill", _first_token_out)
-    calls = _prefill_calls_past(faults.metrics_port, before + STREAMS) - before
+    (the routers called the prefill pool more than once for some of them). On 2 loaded cores
+    the kill can land after every KV has moved (nothing to retry): up to 3 rounds, each exact,
+    until one shows a retry."""
     reference = _run_killing(faults, None)
-    _check(streams, reference, tokenizer_model_dir, hf)
-    assert calls > STREAMS, f"{calls} prefill calls for {STREAMS} streams: nothing was retried"
+    tried = []
+    while len(tried) < 3 and not any(c > STREAMS for c in tried):
+        before = _settled_prefill_calls(faults.metrics_port)
+        streams = _run_killing(faults, "Prefill", _first_token_out)
+        tried.append(_prefill_calls_past(faults.metrics_port, before + STREAMS) - before)
+        _check(streams, reference, tokenizer_model_dir, hf)
+    assert any(c > STREAMS for c in tried), f"prefill calls for {STREAMS} streams: {tried}"
     wait_for_idle(faults, FAULTS, {"prefill", "decode"}, timeout=60.0)
 
 

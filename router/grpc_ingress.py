@@ -33,6 +33,7 @@ import grpc
 from cluster.pb.grpc.health.v1 import health_pb2 as health_pb
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.proxy_priority import match_replica_niceness
 
 StreamHandler = Callable[[Any, Any], AsyncIterator[Any]]  # (request, context) -> messages
 
@@ -41,13 +42,16 @@ def add_generation_servicer(servicer: Any, server: Any) -> None:
     """Register `pdserve.v1.Generation` and `grpc.health.v1.Health` (router/health.py) on
     `server`. On Serve's proxy server (which replaces every handler with one made by its
     `service_handler_factory`, calling the router's method of the RPC's name) the streaming
-    handlers are `detach_stream` around `coalesce_stream` around the proxy's; on any other
-    server this is `add_GenerationServicer_to_server` and `add_health_check`."""
+    handlers are `detach_stream` around `coalesce_stream` around the proxy's, and the proxy's
+    threads move to the replicas' nice value; on any other server this is
+    `add_GenerationServicer_to_server` and `add_health_check`."""
     factory = getattr(server, "service_handler_factory", None)
     if factory is None:
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         add_health_check(servicer, server)
         return
+
+    match_replica_niceness()  # in Serve's proxy process (router/proxy_priority.py)
 
     def make(*args: Any, **kwargs: Any) -> Callable:
         handler = factory(*args, **kwargs)

@@ -68,7 +68,15 @@ POOL_LOGGING = {"enable_access_log": False}
 # The proxy's gRPC server also takes and sends messages of at most 4 MiB (grpc's default and
 # the router's direct endpoint's; Ray's own default is 2 GiB, while its hop to the router
 # carries at most 4 MiB anyway): larger ones are RESOURCE_EXHAUSTED before they are read.
-NODE_ENV_VARS = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(4 << 20)}
+# And every Ray worker of the node starts at nice 0, as pdserve's replicas do: with the
+# replicas at 0 and Serve's proxies and controller left at Ray's 15, a busy engine (a
+# replacement replica loading, a backlog after a kill) starved the proxy, and load through
+# it collapsed while the direct endpoint was unhurt (docs/findings.md).
+NODE_ENV_VARS = {
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(4 << 20),
+    "RAY_worker_niceness": "0",
+}
 
 
 def apply_node_env() -> dict[str, str]:

@@ -255,19 +255,25 @@ def test_the_colocated_engine_thread_runs_on_its_configured_core_only(apps):
     assert pd["output"] == pd["replica"]  # output_thread on: beside the engine
 
 
+SERVE_OWN = (b"ray::ProxyActor", b"ray::ServeController")
+
+
 def test_every_replica_runs_at_the_nice_value_of_a_normal_process(apps):
     """Ray starts its workers at nice 15, under every process of the node at 0 (its own daemons,
-    drivers, clients on the host); pdserve's replicas, engine threads included, leave it."""
+    drivers, clients on the host); pdserve's replicas, engine threads included, leave it, and so
+    do Serve's proxy and controller (NODE_ENV_VARS): a proxy at 15 beside busy replicas at 0
+    was starved, and load through it collapsed after a replica was killed."""
     replicas = {}
     for entry in os.scandir("/proc"):
         try:
             title = open(f"/proc/{entry.name}/cmdline", "rb").read().replace(b"\0", b" ")
         except OSError:  # not a process, or gone
             continue
-        if title.startswith(f"ray::ServeReplica:{PD}:".encode()):
+        if title.startswith((f"ray::ServeReplica:{PD}:".encode(), *SERVE_OWN)):
             replicas[entry.name] = title.decode().split()[0]
-    roles = {title.split(":")[4].split(".")[0] for title in replicas.values()}
-    assert roles == {"Router", "Prefill", "Decode"} and len(replicas) >= 5, replicas
+    roles = {t.split(":")[4].split(".")[0] for t in replicas.values() if "Replica" in t}
+    assert roles == {"Router", "Prefill", "Decode"} and len(replicas) >= 7, replicas
+    assert {"ray::ProxyActor", "ray::ServeController"} <= set(replicas.values()), replicas
     for pid, title in replicas.items():
         nice = {t.name: niceness(int(t.name)) for t in os.scandir(f"/proc/{pid}/task")}
         assert set(nice.values()) - {None} == {0}, (title, nice)  # None: a thread that ended

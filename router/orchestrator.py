@@ -46,7 +46,7 @@ from router.generation_service import served_model
 from router.lease_releases import LeaseReleases
 from router.pool_status import ClusterStats, kv_transport, pool_statuses
 from router.prompt_tokenizer import PromptTokenizer
-from router.tally import Tally
+from router.tally import PrefillHop, Tally
 from router.token_stream import TokenStreamServer
 
 
@@ -367,13 +367,13 @@ def _fields(params: SamplingParams) -> dict:
     return {f.name: getattr(params, f.name) for f in fields(params)}
 
 
-def _first_chunk(result: PrefillResult) -> WorkerChunk:
+def _first_chunk(result: PrefillResult) -> PrefillHop:
     """The prefill hop's token as the client's first chunk; unless the request finished on it
     ("prefilled": it goes on in decode) it is not the last."""
     first = result.first
     if result.handle is not None:
         first = replace(first, finish_reason=None)
-    return WorkerChunk(
+    return PrefillHop(
         first,
         result.replica_id,
         queue_seconds=result.queue_seconds,

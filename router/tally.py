@@ -6,11 +6,18 @@ metrics."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from cluster.request import Request
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_messages import WorkerChunk
 from router.generation_chunk import GenerationChunk, Timing, Usage
+
+
+@dataclass(slots=True)
+class PrefillHop(WorkerChunk):
+    """A prefill replica's token relayed as the client's chunk (the first of a request, or of
+    a resume after a migration): its replica ran prefill, never the request's decode."""
 
 
 class Tally:
@@ -40,13 +47,14 @@ class Tally:
     def add(self, chunk: WorkerChunk) -> GenerationChunk:
         now = time.monotonic()
         out = chunk.output
+        if not isinstance(chunk, PrefillHop):  # a colocated replica's first chunk too
+            self.decode_replica = chunk.replica_id
         if self.first_token_at is None:
             self.first_token_at = now
             self.prefill_replica = chunk.replica_id
             self.cached_prompt_tokens = out.num_cached_tokens
             self._observe("pdserve_time_to_first_token_seconds", now - self.start)
         else:
-            self.decode_replica = chunk.replica_id
             if out.token_ids and self._itl is not None:
                 # the gap, shared by the chunk's tokens: one value per token
                 itl = self._itl
@@ -82,7 +90,7 @@ class Tally:
                 decode_seconds=now - self.first_token_at,
                 total_seconds=now - self.start,
                 prefill_replica=self.prefill_replica,
-                decode_replica=self.decode_replica or self.prefill_replica,
+                decode_replica=self.decode_replica,
                 migrations=self.migrations,
             ),
         )

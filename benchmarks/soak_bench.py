@@ -2,16 +2,16 @@
 thread kills an engine replica every few seconds, as a crashed process.
 
     python -m benchmarks.soak_bench [--minutes 10] [--kill-every 60] [--time-scale 1.25]
-        [--verify 48] [--out FILE]
+        [--out FILE]
 
 The trace (scaled; looped with new prompts each pass while the run lasts) is sent open loop,
 EOS ignored, through Serve's gRPC proxy and the router's direct endpoint by turns, greedy and
 seeded sampling by turns of two. Every `--kill-every` seconds, once both engine pools are whole,
 one of their replicas is killed at random (`ray.kill`). Prints requests served, failed and
 migrated, per path and sampling too; TTFT and ITL of those in flight during a kill against the
-rest; KV blocks left once the load stops. The oracle: each request served while a kill was in
-flight, and `--verify` others, sent again on the quiet cluster the same way (path, sampling and
-seed: same seed, same tokens whatever the batch) must give the same tokens."""
+rest; KV blocks left once the load stops. The oracle: every token of every request served,
+checked against transformers on the same checkpoint under the engine's greedy or seeded rule
+(benchmarks/stream_oracle.py); the replicas each request's timing names, by their pool."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import grpc
 
 from benchmarks import serve_session as session
 from benchmarks.report import header, log, publish, served_parser
+from benchmarks.stream_oracle import StreamOracle
 from benchmarks.trace_bench import SHARED_TRACE
 from cluster.client import workload as wl
 from cluster.client.bench_summary import BenchSummary, Distribution
@@ -39,6 +40,7 @@ from cluster.client.load_generator import PhaseTiming, RequestRecord, model_info
 from cluster.config import ModelConfig
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.sampling_params import SamplingParams
 from cluster.serving.app_config import AppConfig
 
 APP = "soak"
@@ -156,10 +158,9 @@ def wait_whole(timeout_s: float, stop: threading.Event | None = None, gone: str 
 
 
 async def send(targets: dict[str, str], requests: dict[int, wl.WorkloadRequest], t0: float,
-               timeout_s: float, limit: int = 0) -> list[Outcome]:  # fmt: skip
+               timeout_s: float) -> list[Outcome]:  # fmt: skip
     """Each request sent at its arrival (seconds after `t0`) by its path (`targets`: path ->
-    host:port), open loop (at most `limit` at once when given); their outcomes in order."""
-    gate = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
+    host:port), open loop; their outcomes in order."""
     async with contextlib.AsyncExitStack() as stack:
         enter, aio = stack.enter_async_context, grpc.aio.insecure_channel
         stubs = {p: pb_grpc.GenerationStub(await enter(aio(t))) for p, t in targets.items()}
@@ -168,8 +169,7 @@ async def send(targets: dict[str, str], requests: dict[int, wl.WorkloadRequest],
             rec = RequestRecord(i, req.arrival_s, len(req.prompt_token_ids), req.max_tokens)
             out = Outcome(rec, 0, math.nan, PATHS[i % 2], KINDS[i // 2 % 2])
             await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
-            async with gate:
-                await stream(stubs[out.path], req, out, t0, timeout_s)
+            await stream(stubs[out.path], req, out, t0, timeout_s)
             return out
 
         return list(await asyncio.gather(*(one(i, r) for i, r in requests.items())))
@@ -213,16 +213,19 @@ def settled_replicas(proxy, timeout_s: float) -> tuple[list[pb.ReplicaStats], fl
         time.sleep(0.5)
 
 
-def verify(targets, work: wl.Workload, s: SoakSummary, others: int) -> dict[int, bool]:
-    """The oracle: each request served while a kill was in flight (or migrated), then `others`
-    at random, sent again as before, 8 at a time: request index -> the same tokens."""
-    hit = {o.record.index: o for o in s.groups[GROUPS[1]] + s.groups[GROUPS[2]]}
-    calm = [o for o in s.groups[GROUPS[0]] if o.record.index not in hit]
-    picked = [*hit.values(), *random.Random(0).sample(calm, min(others, len(calm)))]
-    again = {o.record.index: replace(work.requests[o.record.index], arrival_s=0.0) for o in picked}
-    redone = asyncio.run(send(targets, again, time.perf_counter(), 120.0, limit=8))
-    pairs = zip(picked, redone, strict=True)
-    return {a.record.index: a.record.token_ids == b.record.token_ids for a, b in pairs}
+def verify(model_dir: str, work: wl.Workload, s: SoakSummary) -> dict[int, str]:
+    """The oracle on every request served: request index -> "exact", "boundary" or "wrong"."""
+    oracle, served = StreamOracle(model_dir), [o.record for o in s.outcomes if o.record.ok]
+    log(f"checking the {len(served)} requests served against transformers")
+    return {r.index: oracle.check(work.requests[r.index].prompt_token_ids, r.token_ids,
+                                  params_of(r.index)) for r in served}  # fmt: skip
+
+
+def params_of(index: int) -> SamplingParams:
+    """The sampling request `index` was sent with (`stream`)."""
+    if KINDS[index // 2 % 2] == "greedy":
+        return SamplingParams(temperature=0.0)
+    return SamplingParams(**SAMPLED, seed=index)
 
 
 @dataclass
@@ -231,7 +234,7 @@ class SoakRun:
     summary: SoakSummary
     replicas: list[pb.ReplicaStats]
     settle_s: float
-    checked: dict[int, bool]  # request index -> the same tokens when sent again
+    checked: dict[int, str]  # request index -> the oracle's verdict
     kv_transport: str
     load_s: float
 
@@ -263,7 +266,7 @@ def measure(a: argparse.Namespace, model_dir: str, grpc_port: int) -> SoakRun:
         log("load stopped; waiting for the pools and their KV blocks to settle")
         wait_whole(timeout_s=300.0)
         settled = settled_replicas(proxy, 60.0)
-        checked = verify(to, work, summary := SoakSummary.of(outcomes, kills), a.verify)
+        checked = verify(model_dir, work, summary := SoakSummary.of(outcomes, kills))
     return SoakRun(work, summary, *settled, checked, session.kv_transport(config), load_s)
 
 
@@ -272,20 +275,20 @@ def table(head: list[str], rows: list[list]) -> list[str]:
     return [lines[0], "|" + "---|" * len(head), *lines[1:]]
 
 
-def split_rows(s: SoakSummary, checked: dict[int, bool]) -> list[str]:
+def split_rows(s: SoakSummary, checked: dict[int, str]) -> list[str]:
     """Requests served, failed and migrated by path and sampling, and the oracle's counts."""
 
     def row(name: str, outs: list[Outcome]) -> list:
         ok = [o for o in outs if o.record.ok]
-        again = [checked[o.record.index] for o in outs if o.record.index in checked]
+        verdicts = Counter(checked.get(o.record.index) for o in ok)
         hit = sum(any(o.during(k) for k in s.kills) for o in outs)
         return [name, len(outs), len(ok), len(outs) - len(ok), sum(o.migrations > 0 for o in ok),
-                hit, len(again), again.count(False)]  # fmt: skip
+                hit, verdicts["exact"], verdicts["boundary"], verdicts["wrong"]]  # fmt: skip
 
     by = [(f"{p}, {k}", [o for o in s.outcomes if (o.path, o.kind) == (p, k)])
           for p, k in itertools.product(PATHS, KINDS)]  # fmt: skip
     return table(["path, sampling", "sent", "served", "failed", "migrated",
-                  "in flight during a kill", "sent again", "other tokens"],
+                  "in flight during a kill", "exact", "at a boundary", "wrong"],
                  [row(*x) for x in [*by, ("all", s.outcomes)]])  # fmt: skip
 
 
@@ -325,7 +328,7 @@ def latency_rows(s: SoakSummary) -> list[str]:
 def render(a: argparse.Namespace, argv: list[str], run: SoakRun, wall_s: float) -> str:
     s, leaked = run.summary, sum(r.kv_blocks_used + r.kv_blocks_leased for r in run.replicas)
     failed = ", ".join(f"{k} {v}" for k, v in sorted(s.failures.items())) or "none"
-    n, differ = len(run.checked), list(run.checked.values()).count(False)
+    verdicts = Counter(run.checked.values())
     records, misnamed = by_pool([o.record for o in s.outcomes])
     title = "pdserve soak: the trace replayed while engine replicas are killed"
     lines = [
@@ -341,9 +344,9 @@ def render(a: argparse.Namespace, argv: list[str], run: SoakRun, wall_s: float) 
         f"Served with another number of tokens than asked: {s.wrong_length}.",
         f"**KV blocks used or leased after the load, over every engine replica: {leaked}** "
         f"(settled in {run.settle_s:.1f} s).",
-        f"**Same tokens when sent again on the quiet cluster: {n - differ} of {n}; other "
-        f"tokens: {differ}** (every request served while a kill was in flight, then others "
-        "at random; each by its path, with its sampling and seed).",
+        f"**Every token of the {len(run.checked)} requests served against transformers: "
+        f"{verdicts['exact']} exact, {verdicts['wrong']} wrong**, {verdicts['boundary']} with a "
+        "token where two are within 1e-3 of each other (benchmarks/stream_oracle.py).",
         "",
         *split_rows(s, run.checked),
         "",
@@ -389,7 +392,6 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
     p.add_argument("--trace", default=str(SHARED_TRACE), help="Mooncake-format JSONL trace")
     p.add_argument("--time-scale", type=float, default=1.25)
-    p.add_argument("--verify", type=int, default=48, help="others sent again, at random")
     a = p.parse_args(argv)
     run, wall_s = session.measure_served(a, lambda model_dir, port: measure(a, model_dir, port))
     return publish(render(a, argv, run, wall_s), a.out)

@@ -106,29 +106,32 @@ def test_requests_are_split_by_the_kills_they_were_in_flight_for() -> None:
     assert s.in_flight == [2, 2]  # the failed one counts where it was in flight
 
 
-def test_the_oracle_sends_again_every_request_hit_by_a_kill_and_a_sample_of_the_rest(
-    monkeypatch,
-) -> None:
-    calm = [outcome(float(i), i + 0.5, index=i) for i in range(10)]
-    hit, late = outcome(19.0, 21.0, index=10), outcome(22.0, 23.0, migrations=1, index=11)
-    s = SoakSummary.of([*calm, hit, late], [Kill(20.0, "Decode", "abc")])
-    work = Workload(tuple(WorkloadRequest(float(i), (16,), 3) for i in range(12)), "w")
-    sent = {}
+def test_the_oracle_checks_every_request_served_with_its_own_sampling(monkeypatch) -> None:
+    served = [outcome(float(i), i + 0.5, index=i) for i in range(4)]
+    s = SoakSummary.of([*served, outcome(5.0, 5.5, status="UNAVAILABLE", index=4)], [])
+    work = Workload(tuple(WorkloadRequest(0.0, (16, i), 3) for i in range(5)), "w")
+    seen = []
 
-    async def fake_send(targets, requests, t0, timeout_s, limit=0):
-        sent.update(requests)
-        outs = [outcome(0.0, 1.0, index=i) for i in requests]
-        outs[0].record.token_ids = [5, 6, 8]  # the first one sent again differs
-        return outs
+    class FakeOracle:
+        def __init__(self, model_dir: str) -> None:
+            assert model_dir == "ckpt"
 
-    monkeypatch.setattr(soak_bench, "send", fake_send)
-    checked = soak_bench.verify({}, work, s, others=3)
+        def check(self, prompt, tokens, params) -> str:
+            seen.append((prompt, tuple(tokens), params.greedy, params.seed))
+            return "wrong" if prompt[1] == 2 else "exact"
 
-    # the one in flight during the kill and the one migrated after it, then 3 of the rest
-    assert list(checked)[:2] == [10, 11] and len(checked) == 5
-    assert set(list(checked)[2:]) < set(range(10))
-    assert [i for i, same in checked.items() if not same] == [10]
-    assert all(r.arrival_s == 0.0 for r in sent.values())  # all at once, 8 at a time
+    monkeypatch.setattr(soak_bench, "StreamOracle", FakeOracle)
+    checked = soak_bench.verify("ckpt", work, s)
+
+    assert checked == {0: "exact", 1: "exact", 2: "wrong", 3: "exact"}  # not the failed one
+    # request i: greedy for i // 2 even, else sampled with seed i (as `stream` sent it)
+    assert [(g, seed) for *_, g, seed in seen] == [
+        (True, None),
+        (True, None),
+        (False, 2),
+        (False, 3),
+    ]
+    assert all(tokens == (5, 6, 7) for _, tokens, *_ in seen)
 
 
 def test_the_report_prints_failures_migrations_the_cost_of_a_kill_and_leaks() -> None:
@@ -143,7 +146,7 @@ def test_the_report_prints_failures_migrations_the_cost_of_a_kill_and_leaks() ->
         pb.ReplicaStats(pool="decode", replica_id="r1", kv_blocks_used=2),
         pb.ReplicaStats(pool="prefill", replica_id="r2", kv_blocks_leased=1),
     ]
-    checked = {1: True, 2: False}
+    checked = {1: "exact", 2: "boundary", 0: "wrong"}
     run = SoakRun(Workload((), "a trace"), s, replicas, 1.5, checked, "grpc", 5.0)
     a = argparse.Namespace(num_blocks=64, preset="tiny")
 
@@ -152,15 +155,15 @@ def test_the_report_prints_failures_migrations_the_cost_of_a_kill_and_leaks() ->
     assert "4 sent, 3 served, failed: UNAVAILABLE 1." in report
     assert "Migrations: 1 over 1 requests" in report
     assert "every engine replica: 3**" in report
-    assert "Same tokens when sent again on the quiet cluster: 1 of 2; other tokens: 1**" in report
+    assert "the 3 requests served against transformers: 1 exact, 1 wrong**, 1 with" in report
     head = cells(report, "path, sampling")
     assert head == ["sent", "served", "failed", "migrated", "in flight during a kill",
-                    "sent again", "other tokens"]  # fmt: skip
-    assert cells(report, "proxy, greedy") == ["1", "1", "0", "0", "0", "0", "0"]
-    assert cells(report, "direct, greedy") == ["1", "1", "0", "0", "1", "1", "0"]
-    assert cells(report, "proxy, sampled") == ["1", "1", "0", "1", "1", "1", "1"]
-    assert cells(report, "direct, sampled") == ["1", "0", "1", "0", "1", "0", "0"]
-    assert cells(report, "all") == ["4", "3", "1", "1", "3", "2", "1"]
+                    "exact", "at a boundary", "wrong"]  # fmt: skip
+    assert cells(report, "proxy, greedy") == ["1", "1", "0", "0", "0", "0", "0", "1"]
+    assert cells(report, "direct, greedy") == ["1", "1", "0", "0", "1", "1", "0", "0"]
+    assert cells(report, "proxy, sampled") == ["1", "1", "0", "1", "1", "0", "1", "0"]
+    assert cells(report, "direct, sampled") == ["1", "0", "1", "0", "1", "0", "0", "0"]
+    assert cells(report, "all") == ["4", "3", "1", "1", "3", "1", "1", "1"]
     assert cells(report, "requests") == ["1", "2", "1"]
     assert "Latency cost of a kill" in report
     assert cells(report, "2.0") == ["Decode abc", "2", "9.0"]

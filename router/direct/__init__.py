@@ -22,7 +22,9 @@ tests/router/direct/, grpc core's server the model:
   stream served;
 - a request's header list [8 KiB] (SETTINGS_MAX_HEADER_LIST_SIZE, held by `h2`'s HPACK decoder
   from the connection's first byte, before the client acknowledges the SETTINGS): more closes
-  the connection;
+  the connection; and its header block's frames [8 KiB + 261 bytes of padding and priority],
+  counted from their headers before h2 buffers them: more is GOAWAY ENHANCE_YOUR_CALM
+  (frame_check.py);
 - a request message [4 MiB, grpc's receive limit]: more is RESOURCE_EXHAUSTED (its bytes are
   counted and dropped);
 - request bytes held: per stream its window [4 MiB + 64 KiB, a whole request], per connection its
@@ -47,7 +49,7 @@ tests/router/direct/, grpc core's server the model:
 Memory: what clients can make the endpoint hold before any call runs is at most
 `DirectLimits.memory_bound_bytes()`: per connection its window, its write bound, its streams'
 state and header lists (counted at 4x their HPACK size, above the worst case measured), a
-frame not yet whole (16 KiB and its header, at most) and its own state; at the defaults about
+header block under way, a frame not yet whole (16 KiB and its header, at most) and its own state; at the defaults about
 14 MiB a connection, 1.8 GiB for 128 (the tests measure an attack of 1,000 streams and a PING
 flood against the bound at their limits).
 

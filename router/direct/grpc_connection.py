@@ -126,10 +126,15 @@ class GrpcConnection(asyncio.Protocol):
             if self.guard is None or self.closed():
                 return  # refused, or ended by what came before
             piece = data[start : start + READ_SLICE]
-            failed = self.frames.check(piece, self.h2.max_inbound_frame_size)
+            failed = self.frames.check(
+                piece, self.h2.max_inbound_frame_size, self.limits.header_block_bytes
+            )
             self._receive(piece if failed is None else piece[: failed[0]])
             if failed is not None and not self.closed():
-                self.refuse(failed[1], "a frame header (SETTINGS not first, or too long a frame)")
+                self.refuse(
+                    failed[1],
+                    "a frame header (SETTINGS not first, too long a frame or header block)",
+                )
         if self.guard is not None and not self.closed():
             if self.calls:
                 self.guard.busy()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.direct.frame_check import BLOCK_SLACK
+
 # The largest window HTTP/2 allows (RFC 9113, 6.9.1), and a connection's before any update.
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_WINDOW = 65535
@@ -84,14 +86,21 @@ class DirectLimits:
         if min(times) <= 0:
             raise ValueError("timeouts and the ping interval must be > 0")
 
+    @property
+    def header_block_bytes(self) -> int:
+        """The most a header block's frames may claim (frame_check.py): h2 holds them whole."""
+        return self.max_header_list_bytes + BLOCK_SLACK
+
     def connection_bound_bytes(self) -> int:
         """The most one connection holds: its request window, its write buffer, its streams'
-        state and header lists, a frame not yet whole, its own state."""
+        state and header lists, a header block under way, a frame not yet whole, its own
+        state."""
         per_stream = STREAM_STATE_BYTES + HEADER_OBJECT_FACTOR * self.max_header_list_bytes
         return (
             self.connection_window_bytes
             + self.write_buffer_bytes
             + self.max_streams * per_stream
+            + self.header_block_bytes
             + READ_BUFFER_BYTES
             + CONNECTION_STATE_BYTES
         )

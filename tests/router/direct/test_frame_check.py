@@ -2,7 +2,9 @@
 (router/direct/frame_check.py), on a connection over an in-memory transport: a frame that claims
 more than SETTINGS_MAX_FRAME_SIZE is refused with GOAWAY FRAME_SIZE_ERROR with none of it
 buffered, one of exactly that size is taken, and a first frame after the preface that is not
-SETTINGS is refused with GOAWAY PROTOCOL_ERROR, no stream served; the check gives the same
+SETTINGS is refused with GOAWAY PROTOCOL_ERROR, no stream served; a header block whose
+CONTINUATION frames claim more than the header list's limit is GOAWAY ENHANCE_YOUR_CALM before
+h2 holds it; the check gives the same
 verdict wherever the reads cut the bytes. And what the client closes (a stream it resets, the
 connection its GOAWAY ends) in the read that a refusal answers takes nothing else down."""
 
@@ -19,7 +21,9 @@ from router.direct.grpc_connection import GrpcConnection
 from router.direct.limits import MAX_FRAME_BYTES
 from router.router import GENERATION
 from tests.router.direct.corpus.make_corpus import (
+    CONTINUATION,
     DATA,
+    END_HEADERS,
     GOAWAY,
     HEADERS,
     HELLO,
@@ -97,20 +101,45 @@ def test_a_first_frame_other_than_settings_is_refused_and_no_stream_served():
     assert not any(isinstance(f, HeadersFrame) for f in server_frames(bytes(transport.out)))
 
 
+def test_a_header_block_past_the_header_list_limit_is_refused_before_h2_holds_it():
+    limit = DirectLimits().header_block_bytes
+    start = headers(1, flags=0)  # no END_HEADERS: CONTINUATION frames must follow
+    more = [raw(CONTINUATION, 0, 1, bytes(4096)) for _ in range(limit // 4096 + 1)]
+    conn, transport, given = serve([HELLO + start + b"".join(more)])
+    assert goaway(transport).error_code == ErrorCodes.ENHANCE_YOUR_CALM and transport.closing
+    assert given == len(HELLO + start) + (limit // 4096) * (9 + 4096)  # the last one not held
+    assert not conn.calls
+
+
+def test_header_blocks_within_the_limit_are_counted_each_on_its_own():
+    """Many blocks on one connection, each ended by END_HEADERS: none adds to the next."""
+    check, limit = FrameCheck(), DirectLimits().header_block_bytes
+    one = raw(HEADERS, 0, 1, bytes(limit - 10)) + raw(CONTINUATION, END_HEADERS, 1, bytes(10))
+    assert check.check(HELLO + one * 50, MAX_FRAME_BYTES, limit) is None
+    over = raw(HEADERS, 0, 3, bytes(limit)) + raw(CONTINUATION, END_HEADERS, 3, bytes(1))
+    assert check.check(over, MAX_FRAME_BYTES, limit) == (9 + limit, ErrorCodes.ENHANCE_YOUR_CALM)
+
+
 def test_the_check_gives_the_same_verdict_wherever_two_reads_cut_the_bytes():
-    """At a max frame size of 64: the failing header's offset in the read that completes it
-    (0 if it began in the read before)."""
+    """At a max frame size of 64 and header blocks of 100: the failing header's offset in the
+    read that completes it (0 if it began in the read before)."""
     good = HELLO + raw(PING, 0, 0, bytes(8)) + raw(DATA, 0, 1, bytes(64)) + raw(0xFA, 0, 0)
+    block = raw(HEADERS, 0, 5, bytes(60)) + raw(CONTINUATION, 0, 5, bytes(40))
     cases = [
         (good, None),
         (good + raw(HEADERS, 0, 3, length=65) + b"xx", (len(good), ErrorCodes.FRAME_SIZE_ERROR)),
         (PREFACE + raw(PING, 0, 0, bytes(8)) + HELLO, (len(PREFACE), ErrorCodes.PROTOCOL_ERROR)),
+        (good + block, None),
+        (
+            good + block + raw(CONTINUATION, 4, 5, b"x"),
+            (len(good + block), ErrorCodes.ENHANCE_YOUR_CALM),
+        ),
     ]
     for stream, want in cases:
         for cut in range(len(stream) + 1):
             check = FrameCheck()
-            first = check.check(stream[:cut], 64)
-            second = None if first else check.check(stream[cut:], 64)
+            first = check.check(stream[:cut], 64, 100)
+            second = None if first else check.check(stream[cut:], 64, 100)
             if want is None:
                 assert first is None and second is None, cut
             elif want[0] + 9 <= cut:  # the header whole in the first read

@@ -49,9 +49,9 @@ tests/router/direct/, grpc core's server the model:
 Memory: what clients can make the endpoint hold before any call runs is at most
 `DirectLimits.memory_bound_bytes()`: per connection its window, its write bound, its streams'
 state and header lists (counted at 4x their HPACK size, above the worst case measured), a
-header block under way, a frame not yet whole (16 KiB and its header, at most) and its own state; at the defaults about
-14 MiB a connection, 1.8 GiB for 128 (the tests measure an attack of 1,000 streams and a PING
-flood against the bound at their limits).
+header block under way, a frame not yet whole (16 KiB and its header, at most) and its own
+state; at the defaults about 14 MiB a connection, 1.8 GiB for 128 (the tests measure an attack
+of 1,000 streams and a PING flood against the bound at their limits).
 
 Not bounded: the rate of SETTINGS frames and stream resets (h2 answers them; the write bound
 drops a client that does not read the answers); a connection's age (no max_connection_age).

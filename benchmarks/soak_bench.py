@@ -367,8 +367,8 @@ def render(a: argparse.Namespace, argv: list[str], run: SoakRun, wall_s: float) 
         "",
         "## All requests",
         "",
-        f"Replicas by their pool: the {misnamed} requests whose timing names a prefill replica "
-        "as their decode one (a prefill hop gave their last token) count as decode `?`.",
+        f"Replicas by their pool: {misnamed} requests name a prefill replica as their decode "
+        "one (counted as decode `?`, with those served by prefill alone).",
         *BenchSummary.of(records).render(),
     ]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -10,8 +10,7 @@ seeded sampling by turns of two. Every `--kill-every` seconds, once both engine 
 one of their replicas is killed at random (`ray.kill`). Prints requests served, failed and
 migrated, per path and sampling too; TTFT and ITL of those in flight during a kill against the
 rest; KV blocks left once the load stops. The oracle: every token of every request served,
-checked against transformers on the same checkpoint under the engine's greedy or seeded rule
-(benchmarks/stream_oracle.py); the replicas each request's timing names, by their pool."""
+checked against transformers under the engine's greedy or seeded rule (engine/stream_oracle)."""
 
 from __future__ import annotations
 
@@ -31,13 +30,13 @@ import grpc
 
 from benchmarks import serve_session as session
 from benchmarks.report import header, log, publish, served_parser
-from benchmarks.stream_oracle import StreamOracle
 from benchmarks.trace_bench import SHARED_TRACE
 from cluster.client import workload as wl
 from cluster.client.bench_summary import BenchSummary, Distribution
 from cluster.client.generation_client import app_metadata
 from cluster.client.load_generator import PhaseTiming, RequestRecord, model_info
 from cluster.config import ModelConfig
+from cluster.engine.stream_oracle import StreamOracle
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.sampling_params import SamplingParams
@@ -222,7 +221,6 @@ def verify(model_dir: str, work: wl.Workload, s: SoakSummary) -> dict[int, str]:
 
 
 def params_of(index: int) -> SamplingParams:
-    """The sampling request `index` was sent with (`stream`)."""
     if KINDS[index // 2 % 2] == "greedy":
         return SamplingParams(temperature=0.0)
     return SamplingParams(**SAMPLED, seed=index)
@@ -346,7 +344,7 @@ def render(a: argparse.Namespace, argv: list[str], run: SoakRun, wall_s: float) 
         f"(settled in {run.settle_s:.1f} s).",
         f"**Every token of the {len(run.checked)} requests served against transformers: "
         f"{verdicts['exact']} exact, {verdicts['wrong']} wrong**, {verdicts['boundary']} with a "
-        "token where two are within 1e-3 of each other (benchmarks/stream_oracle.py).",
+        "token where two are within 1e-3 of each other (engine/stream_oracle.py).",
         "",
         *split_rows(s, run.checked),
         "",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger("ray.serve." + __name__)
 REPLICA_NICENESS = 0
 
 

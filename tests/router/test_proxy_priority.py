@@ -47,7 +47,7 @@ def test_a_process_that_may_not_leave_its_nice_value_says_so_once(monkeypatch, c
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "setpriority", refuse)
-    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+    with caplog.at_level(logging.WARNING, logger=proxy_priority.logger.name):
         assert proxy_priority.match_replica_niceness() == 15
     assert calls == [(101, 0), (102, 0)]  # the thread already at 0 is left alone
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.stream_oracle import StreamOracle
 from cluster.engine.engine import Engine
+from cluster.engine.stream_oracle import StreamOracle
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from tests.conftest import engine_config, greedy, prompt, run_to_completion

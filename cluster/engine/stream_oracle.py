@@ -1,4 +1,4 @@
-"""A served stream checked token by token against transformers (soak_bench's oracle).
+"""A served stream checked token by token against transformers (benchmarks/soak_bench's oracle).
 
 The prompt and the tokens served go through transformers' model in one pass; the logits at
 each output position give the token the engine's rule picks there: greedy the argmax, sampled

@@ -178,8 +178,7 @@ async def stream(grpc_stub, req: wl.WorkloadRequest, out: Outcome, t0: float, ti
     """One `Generate` stream into `out`, as `cluster.client.load_generator` records it, plus
     the migrations and the time the stream ended; sampled ones seeded with their index."""
     rec = out.record
-    kind = {**SAMPLED, "seed": rec.index} if out.kind == KINDS[1] else {"temperature": 0.0}
-    sampling = pb.SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, **kind)
+    sampling = pb.SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, **sampling_of(out))
     request = pb.GenerateRequest(prompt_token_ids=req.prompt_token_ids, sampling=sampling)
     rec.sent_s, last = time.perf_counter() - t0, None
     try:
@@ -214,16 +213,16 @@ def settled_replicas(proxy, timeout_s: float) -> tuple[list[pb.ReplicaStats], fl
 
 def verify(model_dir: str, work: wl.Workload, s: SoakSummary) -> dict[int, str]:
     """The oracle on every request served: request index -> "exact", "boundary" or "wrong"."""
-    oracle, served = StreamOracle(model_dir), [o.record for o in s.outcomes if o.record.ok]
+    oracle, served = StreamOracle(model_dir), [o for o in s.outcomes if o.record.ok]
     log(f"checking the {len(served)} requests served against transformers")
-    return {r.index: oracle.check(work.requests[r.index].prompt_token_ids, r.token_ids,
-                                  params_of(r.index)) for r in served}  # fmt: skip
+    return {o.record.index: oracle.check(work.requests[o.record.index].prompt_token_ids,
+                                         o.record.token_ids, SamplingParams(**sampling_of(o)))
+            for o in served}  # fmt: skip
 
 
-def params_of(index: int) -> SamplingParams:
-    if KINDS[index // 2 % 2] == "greedy":
-        return SamplingParams(temperature=0.0)
-    return SamplingParams(**SAMPLED, seed=index)
+def sampling_of(out: Outcome) -> dict:
+    """How request `out` samples: greedy, or `SAMPLED` seeded with its index."""
+    return {**SAMPLED, "seed": out.record.index} if out.kind == KINDS[1] else {"temperature": 0.0}
 
 
 @dataclass

@@ -151,6 +151,7 @@ def stats_to_proto(stats: ClusterStats) -> pb.ClusterStats:
                 grpc_endpoint=s.grpc_endpoint,
                 device=s.device,
                 dtype=s.dtype,
+                tensor_parallel_size=s.tensor_parallel_size,
                 state=s.state,
             )
             for s in stats.replicas

@@ -1,6 +1,6 @@
 """`pdserve serve`'s model and engine flags, named as `vllm serve` names them, and the parts of
-the `AppConfig` they set: the model (`ModelConfig`) and each engine pool's KV pool and
-scheduler."""
+the `AppConfig` they set: the model (`ModelConfig`) and each engine pool's KV pool, scheduler
+and tensor parallel size."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from cluster.config import ConfigError, ModelConfig, byte_size
 from cluster.errors import InvalidArgument
-from cluster.serving.app_config import PoolConfig
+from cluster.serving.pool_config import TENSOR_PARALLEL_SIZES, PoolConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "(model.cuda_graphs: false)",
     )
     p.add_argument("--max-num-seqs", type=int, default=128, help="sequences per engine batch")
+    add_parallel_arguments(p)
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -67,6 +68,29 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="bytes for each engine's KV pool, e.g. 4GiB; the CPU's way of sizing it (on a GPU "
         "it overrides --gpu-memory-utilization) (default: 0, on the CPU 1024 blocks)",
     )
+
+
+def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """`--tensor-parallel-size` (vLLM's, also `-tp`) for every engine pool, and an override
+    per pool (`--prefill-…`, `--decode-…`, as `--prefill-replicas`)."""
+    tp = p.add_argument_group("tensor parallelism (a replica's ranks on one node)")
+    tp.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        choices=TENSOR_PARALLEL_SIZES,
+        help="ranks each engine replica spans; above 1, colocated mode only for now (KV does "
+        "not move between tensor-parallel engines yet) (default: 1)",
+    )
+    for pool in ("prefill", "decode"):
+        tp.add_argument(
+            f"--{pool}-tensor-parallel-size",
+            type=int,
+            default=None,
+            choices=TENSOR_PARALLEL_SIZES,
+            help=f"the {pool} pool's (default: --tensor-parallel-size's)",
+        )
 
 
 def add_device_arguments(p: argparse._ActionsContainer) -> None:
@@ -98,8 +122,9 @@ def model_from_flags(args: argparse.Namespace, base: ModelConfig) -> ModelConfig
     )
 
 
-def engine_pool_fields(args: argparse.Namespace, pool: PoolConfig) -> dict[str, Any]:
-    """The `PoolConfig` fields of an engine pool the flags set: its KV pool and scheduler."""
+def engine_pool_fields(args: argparse.Namespace, pool: PoolConfig, name: str) -> dict[str, Any]:
+    """The `PoolConfig` fields of engine pool `name` ("prefill", "decode") the flags set: its
+    KV pool, scheduler and tensor parallel size."""
     cache = replace(
         pool.cache,
         num_blocks=args.num_kv_blocks,
@@ -111,7 +136,8 @@ def engine_pool_fields(args: argparse.Namespace, pool: PoolConfig) -> dict[str, 
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    return {"cache": cache, "scheduler": scheduler}
+    tp = getattr(args, f"{name}_tensor_parallel_size") or args.tensor_parallel_size
+    return {"cache": cache, "scheduler": scheduler, "tensor_parallel_size": tp}
 
 
 def _bytes_arg(text: str) -> int:

@@ -288,14 +288,14 @@ def _config_from_flags(args: argparse.Namespace) -> AppConfig:
             replicas=args.prefill_replicas,
             autoscaling=_autoscaling(args, "prefill", PREFILL_TARGETS),
             **pool,
-            **engine_pool_fields(args, base.prefill),
+            **engine_pool_fields(args, base.prefill, "prefill"),
         ),
         decode=replace(
             base.decode,
             replicas=args.decode_replicas,
             autoscaling=_autoscaling(args, "decode", DECODE_TARGETS),
             **pool,
-            **engine_pool_fields(args, base.decode),
+            **engine_pool_fields(args, base.decode, "decode"),
         ),
     )
 

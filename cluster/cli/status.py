@@ -1,8 +1,9 @@
 """`pdserve status`: a running cluster's pools (replicas now and targeted, bounds, load), its
-engine replicas (device and dtype as each decided them, KV blocks, sequences, queued prompt
-tokens, tokens generated; "loading" while one's engine starts, a hub model downloading into its
-node's cache) and its router replicas (their direct gRPC endpoints), as three tables or, with
-`--json`, as one JSON object; `--watch` refreshes until Ctrl-C."""
+engine replicas (device and dtype as each decided them, tensor parallel size, KV blocks,
+sequences, queued prompt tokens, tokens generated; "loading" while one's engine starts, a hub
+model downloading into its node's cache) and its router replicas (their direct gRPC
+endpoints), as three tables or, with `--json`, as one JSON object; `--watch` refreshes until
+Ctrl-C."""
 
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ def render(snapshot: Snapshot) -> list[str]:
             for p in stats.pools
         ],
     )
-    header = ("pool", "replica", "device", "dtype", "kv total", "kv used", "kv leased")
+    header = ("pool", "replica", "device", "dtype", "tp", "kv total", "kv used", "kv leased")
     header += ("kv cached", "running", "waiting", "queued", "generated", "state")
     rows = [
         (
@@ -154,6 +155,7 @@ def render(snapshot: Snapshot) -> list[str]:
             r.replica_id,
             r.device or "-",
             r.dtype or "-",
+            r.tensor_parallel_size or "-",  # 0: a server from before the field
             r.kv_blocks_total,
             r.kv_blocks_used,
             r.kv_blocks_leased,

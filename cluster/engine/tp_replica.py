@@ -7,8 +7,10 @@ says it is ready in the store, then every rank joins the process group (so the g
 connection timeout covers the connection, not a child's imports). Every rank loads only its
 shard of the checkpoint; rank 0 chooses the KV pool's size and tells the followers.
 
-Placement across machines (a Ray placement group, one bundle per rank) is not here yet: this
-spawns the ranks locally, which is what the tests and a single multi-GPU node need.
+The ranks are local processes: served, the replica's Serve deployment reserves one
+placement-group bundle per rank, all on the replica's node (STRICT_PACK,
+`cluster.serving.pool_config.PoolConfig.serve_placement`), and the followers run there as
+children of the replica's process. Ranks on other machines are not built.
 
 `close` stops the followers (one message, then a join with a deadline, then terminate) and
 frees the group. A follower that dies makes rank 0's next step raise.
@@ -44,7 +46,10 @@ class TPReplica:
         host: str = "127.0.0.1",
         timeout_s: float = 60.0,
         start_timeout_s: float = 300.0,
+        engine_class: type[Engine] = Engine,
     ) -> None:
+        """`engine_class`: rank 0's engine, `Engine` or a subclass that keeps its constructor
+        (a served replica's `MeteredEngine`)."""
         k = tensor_parallel_size
         if k < 2:
             raise InvalidArgument("a TPReplica has 2 or more ranks; use Engine for TP 1")
@@ -67,7 +72,7 @@ class TPReplica:
             # Every rank has its shard (loading is not a collective: a slow follower may still
             # be reading): wait for them with the start's deadline, not a step's.
             self.group.broadcast_object("loaded", timeout_s=start_timeout_s)
-            self.engine = Engine(config, loaded)
+            self.engine = engine_class(config, loaded)
         except BaseException:
             self._reap(0.0)
             raise

@@ -142,7 +142,8 @@ def deployment_options(
     name: str, pool: DeploymentConfig, env: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """The options of `serve.deployment` for deployment `name`, all derived from its pool:
-    size or autoscaling, Ray resources and placement, request limits, request router; `env`
+    size or autoscaling, Ray resources and placement (a placement group per replica at tensor
+    parallel size > 1, `PoolConfig.serve_placement`), request limits, request router; `env`
     joins the replicas' env vars (a hub model's, `hub_env.hub_env_vars`)."""
     size = (
         {"autoscaling_config": pool.autoscaling.serve_config()}
@@ -183,6 +184,8 @@ POOL_OPTIONS = (
     "max_queued_requests",
     "request_router_config",
     "max_replicas_per_node",
+    "placement_group_bundles",
+    "placement_group_strategy",
 )
 
 

@@ -10,36 +10,29 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from dataclasses import dataclass, field, fields, replace
-from typing import Annotated, Any, Literal, Self, overload
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, overload
 
-from pydantic import BeforeValidator, with_config
+from pydantic import with_config
 
 from cluster.config import (
     DICT_FORM,
-    CacheConfig,
     ConfigError,
     EngineConfig,
     ModelConfig,
-    Resources,
-    SchedulerConfig,
     TransferConfig,
     config_schema,
     dump_config,
     parse_config,
 )
-from cluster.errors import InvalidArgument
 from cluster.kv_transfer import registry
 from cluster.request import MAX_STREAM_INTERVAL
 from cluster.serving.api_keys import ClientAuth
-from cluster.serving.autoscaling import (
-    DECODE_TARGETS,
-    PREFILL_TARGETS,
-    ROUTER_TARGETS,
-    AutoscalingSettings,
-)
+from cluster.serving.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, ROUTER_TARGETS
 from cluster.serving.config_docs import describe_fields
-from cluster.serving.cpu_affinity import parse_cpu_list
+
+# The pools' configs live in pool_config.py; importing them from here keeps working.
+from cluster.serving.pool_config import ENGINE_FIELDS, DeploymentConfig, PoolConfig
 
 Mode = Literal["disaggregated", "colocated"]
 # The names router/chat registers (a test keeps them equal).
@@ -50,132 +43,6 @@ ENGINE_POOLS = ("prefill", "decode")  # the `AppConfig` fields that hold engine 
 # A router replica's requests at once when `router.max_ongoing_requests` is 0.
 ROUTER_ONGOING = 1024
 log = logging.getLogger("ray.serve." + __name__)
-
-
-def _cpu_list(value: Any) -> tuple[int, ...]:
-    try:
-        return parse_cpu_list(value)
-    except InvalidArgument as e:
-        raise ConfigError(e.message) from None
-
-
-# In the dict form a Linux cpu list ("2-7"), one core or a list of cores.
-CpuList = Annotated[
-    tuple[int, ...], BeforeValidator(_cpu_list, json_schema_input_type=str | int | list[int])
-]
-
-
-@with_config(DICT_FORM)
-@dataclass(frozen=True)
-class DeploymentConfig:
-    """What every deployment has, the router's and the engine pools': its size or autoscaling,
-    its Ray resources per replica and its request limits."""
-
-    replicas: int = 1  # fixed size; ignored when `autoscaling` is set
-    num_cpus: float = 1.0
-    # "auto" (engine pools' default): by the device and the cluster's nodes (gpu_placement.py)
-    num_gpus: float | Literal["auto"] = 0.0
-    resources: Resources = ()
-    # Requests one replica works on at once; 0 = the pool's own default (`ongoing_limit`).
-    max_ongoing_requests: int = 0
-    # Requests waiting for a replica beyond that; more are refused at once. 0 = 4x ongoing.
-    max_queued_requests: int = 0
-    autoscaling: AutoscalingSettings | None = None
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError("replicas must be >= 1")
-        if min(self.num_cpus, 0 if self.num_gpus == "auto" else self.num_gpus) < 0:
-            raise ConfigError("num_cpus and num_gpus must be >= 0")
-        if self.max_ongoing_requests < 0 or self.max_queued_requests < 0:
-            raise ConfigError("max_ongoing_requests and max_queued_requests must be >= 0")
-
-    @property
-    def ongoing_limit(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def queued_limit(self) -> int:
-        return self.max_queued_requests or 4 * self.ongoing_limit
-
-    def with_default_targets(self, targets: tuple[tuple[str, float], ...]) -> Self:
-        """Fill the pool's autoscaling targets with `targets` if none were configured."""
-        if self.autoscaling is None or self.autoscaling.targets:
-            return self
-        return replace(self, autoscaling=replace(self.autoscaling, targets=targets))
-
-    def serve_placement(self) -> dict[str, Any]:
-        """Placement options of the pool's Serve deployment beyond its resources."""
-        return {}
-
-    def actor_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.resources:
-            opts["resources"] = dict(self.resources)
-        return opts
-
-
-@with_config(DICT_FORM)
-@dataclass(frozen=True)
-class PoolConfig(DeploymentConfig):
-    """An engine pool's deployment (prefill, decode, colocated): `DeploymentConfig`'s fields,
-    its engine threads, prefix-affinity routing, KV pool and scheduler. `torch_threads` 0 keeps
-    torch's default; `max_ongoing_requests` 0 = the scheduler's `max_num_seqs`."""
-
-    num_gpus: float | Literal["auto"] = "auto"
-    torch_threads: int = 0
-    # Python's GIL switch interval in this pool's engine replicas. The engine thread shares the
-    # GIL with Serve's event loop; at Python's default (5 ms) each burst of the loop's work
-    # stalls the step for its whole length; a short interval bounds each stall.
-    gil_switch_interval_s: float = 5e-5
-    # Cores this pool's engine threads run on (a Linux cpu list, "2" or "2-3", or a list of
-    # ints); () = wherever the OS puts them. Keep Ray's own processes off them by starting Ray
-    # from a process that is (`pdserve serve --engine-cpus`, or `taskset`;
-    # cluster/serving/cpu_affinity.py). Pinning alone, nothing reserved, already keeps a decode
-    # step as fast served as alone on 2 cores (docs/findings.md).
-    engine_cpus: CpuList = ()
-    # Engine pools: make each step's text (detokenization, stop strings) and feed the token
-    # streams on a thread of the replica's own while the engine runs the next step (True), or
-    # on the engine thread after its step (False). None: on a GPU only, where the engine
-    # thread's host time is the step's; on a CPU both threads want the same cores and the GIL
-    # and the output thread overlaps nothing (cluster/engine/async_engine.py).
-    output_thread: bool | None = None
-    # Pools that prefill (prefill, colocated) with their prefix cache on: send a prompt to the
-    # replica that was last sent the longest start of it (router/prefix_affinity.py), unless
-    # that replica has more than `affinity_max_imbalance` requests open beyond the least loaded
-    # one: queueing behind others can cost more than computing the prefix again elsewhere.
-    # Off: Serve's power of two choices. The decode pool in disaggregated mode ignores both.
-    prefix_affinity: bool = True
-    affinity_max_imbalance: int = 2
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 < self.gil_switch_interval_s <= 1:
-            raise ConfigError("gil_switch_interval_s must be in (0, 1]")
-        if self.torch_threads < 0:
-            raise ConfigError("torch_threads must be >= 0")
-        if self.affinity_max_imbalance < 0:
-            raise ConfigError("affinity_max_imbalance must be >= 0")
-        object.__setattr__(self, "engine_cpus", _cpu_list(self.engine_cpus))
-
-    @property
-    def ongoing_limit(self) -> int:
-        return self.max_ongoing_requests or self.scheduler.max_num_seqs
-
-    def output_thread_on(self, device: str) -> bool:
-        """Whether this pool's engine replicas on `device` ("cpu", "cuda:0") run an output
-        thread: `output_thread` if set, else only on a GPU."""
-        if self.output_thread is not None:
-            return self.output_thread
-        return device.startswith("cuda")
-
-
-# `PoolConfig`'s own fields: engine settings, which a router (no engine) refuses by name.
-ENGINE_FIELDS = tuple(
-    f.name for f in fields(PoolConfig) if f.name not in DeploymentConfig.__dataclass_fields__
-)
 
 
 @with_config(DICT_FORM)
@@ -277,6 +144,16 @@ class AppConfig:
         # Cross-pool contract: both pools must lay out KV blocks the same way.
         if self.prefill.cache.block_size != self.decode.cache.block_size:
             raise ConfigError("prefill and decode pools must use the same KV block_size")
+        tp = {p: getattr(self, p).tensor_parallel_size for p in ENGINE_POOLS}
+        if self.mode == "disaggregated" and max(tp.values()) > 1:
+            raise ConfigError(
+                f"tensor_parallel_size is prefill {tp['prefill']}, decode {tp['decode']}: a "
+                "disaggregated app needs 1 in both pools, as KV does not move between "
+                "tensor-parallel engines yet (a TP > 1 engine refuses every import); tensor "
+                "parallelism serves in a colocated app (mode colocated, "
+                "decode.tensor_parallel_size; pdserve serve --mode colocated "
+                "--tensor-parallel-size N)"
+            )
         if self.default_chat_template_kwargs:
             _json_object(self.default_chat_template_kwargs, "default_chat_template_kwargs")
         if self.default_max_tokens <= 0 or self.request_timeout_seconds <= 0:

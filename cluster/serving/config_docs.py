@@ -57,8 +57,10 @@ FIELD_DOCS: dict[str, dict[str, str]] = {
     },
     "DeploymentConfig": {
         "replicas": "Fixed number of replicas; ignored when autoscaling is set.",
-        "num_cpus": "CPUs Ray reserves per replica.",
-        "num_gpus": "GPUs Ray reserves per replica.",
+        "num_cpus": "CPUs Ray reserves per replica (engine pools: per rank, one bundle each "
+        "at tensor_parallel_size > 1).",
+        "num_gpus": "GPUs Ray reserves per replica (engine pools: per rank; 0 or 1 at "
+        "tensor_parallel_size > 1).",
         "resources": "Custom Ray resources per replica (name to amount), e.g. to pin a pool "
         "to a node type.",
         "max_ongoing_requests": "Requests one replica works on at once; 0 = the pool's default "
@@ -69,7 +71,9 @@ FIELD_DOCS: dict[str, dict[str, str]] = {
         "fixed size.",
     },
     "PoolConfig": {
-        "torch_threads": "torch's intra-op threads per engine replica; 0 = torch's default.",
+        "tensor_parallel_size": "Ranks each engine replica spans (1, 2, 4 or 8), on one node "
+        "(a STRICT_PACK placement group, a bundle per rank); above 1 in colocated mode only.",
+        "torch_threads": "torch's intra-op threads per engine rank; 0 = torch's default.",
         "gil_switch_interval_s": "Python's GIL switch interval in engine replicas: short, so "
         "the event loop's bursts stall an engine step briefly.",
         "engine_cpus": 'Cores the engine threads run on (a Linux cpu list "2-3", one core, or '

@@ -69,8 +69,8 @@ class ClusterView:
 def engine_gpus(name: str, pool: PoolConfig, device: str, view: ClusterView) -> float:
     """GPUs one engine process of pool `name` asks Ray for: `pool.num_gpus` if a number, else
     by the model's `device`: cpu none, cuda one, auto one if a node that may hold the pool's
-    replicas (`ClusterView.hosts`) has a GPU, else none. One engine process is one replica
-    today; with tensor parallelism, each rank's.
+    replicas (`ClusterView.hosts`) has a GPU, else none: each rank's, at tensor parallel size
+    k a replica's k ranks on one node.
 
     Refused with a ConfigError naming the pool, its GPUs and what those nodes have: GPUs asked
     where those nodes have none (Serve would wait for them forever), and "auto" with a device
@@ -94,10 +94,11 @@ def engine_gpus(name: str, pool: PoolConfig, device: str, view: ClusterView) -> 
         asked = 1.0
     else:
         return 0.0
-    if asked > 0 and hosts and not any(n.get("GPU", 0.0) >= asked for n in hosts):
+    need = asked * pool.tensor_parallel_size  # a replica's ranks share one node
+    if asked > 0 and hosts and not any(n.get("GPU", 0.0) >= need for n in hosts):
         raise ConfigError(
-            f"pool {name} asks {asked:g} GPU per replica{on}, but {view.where} has no node "
-            f"with {asked:g}: {view.describe(hosts)}"
+            f"pool {name} asks {need:g} GPU per replica{on}, but {view.where} has no node "
+            f"with {need:g}: {view.describe(hosts)}"
         )
     return asked
 

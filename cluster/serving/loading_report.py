@@ -29,17 +29,24 @@ class LoadingReport:
     busy), each a few bytes."""
 
     def __init__(
-        self, registry: Any, pool: str, replica_id: str, interval_s: float = REPORT_INTERVAL_S
+        self,
+        registry: Any,
+        pool: str,
+        replica_id: str,
+        interval_s: float = REPORT_INTERVAL_S,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.registry, self.pool, self.replica_id = registry, pool, replica_id
+        self.tensor_parallel_size = tensor_parallel_size
         self.interval_s = interval_s
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-loading", daemon=True)
 
     def stats(self) -> ReplicaStats:
         return ReplicaStats(
-            self.pool, self.replica_id, 0, 0, 0, 0, 0, 0, updated_at=time.time(), state=LOADING
-        )
+            self.pool, self.replica_id, 0, 0, 0, 0, 0, 0, updated_at=time.time(),
+            tensor_parallel_size=self.tensor_parallel_size, state=LOADING,
+        )  # fmt: skip
 
     def __enter__(self) -> LoadingReport:
         self._put()

@@ -43,12 +43,15 @@ class Demand:
 
 def demands(config: AppConfig) -> list[Demand]:
     """Each deployment's demand, in deployment order (router first). GPUs count once they
-    are a number (`gpu_placement.place_gpus`), not while "auto"."""
+    are a number (`gpu_placement.place_gpus`), not while "auto". A replica of tensor parallel
+    size k asks for k ranks' CPUs and GPUs (`PoolConfig.serve_placement`)."""
     out = []
     for name, pool_name in deployment_pools(config).items():
         pool = getattr(config, pool_name)
         size = pool.autoscaling.max_replicas if pool.autoscaling else pool.replicas
-        per = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **dict(pool.resources)}
+        k = getattr(pool, "tensor_parallel_size", 1)
+        gpus = pool.num_gpus if pool.num_gpus == "auto" else pool.num_gpus * k
+        per = {"CPU": pool.num_cpus * k, "GPU": gpus, **dict(pool.resources)}
         per = {k: float(v) for k, v in per.items() if v and v != "auto"}
         out.append(Demand(config.name, name, pool_name, size, per))
     return out

@@ -60,7 +60,8 @@ class ReplicaStats:
     prefill replicas: how many leases ended so far, by reason (fetched, cancelled, aborted,
     expired); `kv_endpoint`, on prefill replicas: the KV server's "host:port" (where a router
     sends `CancelPrefill`); `device` and `dtype`: where and in what the replica's engine runs,
-    as it decided them ("auto" is decided by each replica, `replica_device`). A router replica
+    as it decided them ("auto" is decided by each replica, `replica_device`);
+    `tensor_parallel_size`: the ranks its engine spans (0 on router replicas). A router replica
     reports itself too (pool "router", every figure 0, no device): `grpc_endpoint` is where it
     serves `pdserve.v1.Generation` without Serve's proxy. `state`: READY, or LOADING while the
     replica's engine starts (a hub model downloading into the node's cache, the weights
@@ -82,4 +83,5 @@ class ReplicaStats:
     grpc_endpoint: str = ""
     device: str = ""
     dtype: str = ""
+    tensor_parallel_size: int = 0
     state: str = "ready"  # READY or LOADING

@@ -16,8 +16,10 @@ from dataclasses import fields, replace
 
 import torch
 
+from cluster.config import EngineConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import EngineStats
+from cluster.engine.tp_replica import TPReplica
 from cluster.serving.app_config import AppConfig
 from cluster.serving.cpu_affinity import engine_cores, format_cpu_list, thread_cpus
 from cluster.serving.loading_report import LoadingReport
@@ -71,19 +73,27 @@ class EngineReplica:
         # Device and dtype "auto" are decided here, on the node this replica runs on.
         engine_config = on_replica(config.engine_config(pool))
         self.device, self.dtype = engine_config.model.device, engine_config.model.dtype
-        log.info("%s engine on %s in %s", pool, self.device, self.dtype)
+        self.tensor_parallel_size = k = pool_config.tensor_parallel_size
+        log.info("%s engine on %s in %s, tensor parallel size %d", pool, self.device, self.dtype, k)
         # Made and started on the engine cores: the engine thread and torch's threads inherit
-        # them; this (event loop) thread gets its own mask back, and starts the output thread.
-        # Listed as loading meanwhile (a hub model's download, the weights' load).
-        with (
-            LoadingReport(self.registry, pool, self.replica_id),
-            engine_cores(pool_config.engine_cpus) as cores,
-        ):
-            engine = MeteredEngine(engine_config)
-            separate = pool_config.output_thread_on(str(engine.device))
-            self.engine = AsyncEngine(engine, output_thread=separate)
-            self.engine.start_engine_thread()
-        self.engine.start()
+        # them (a TP replica's follower processes too); this (event loop) thread gets its own
+        # mask back, and starts the output thread. Listed as loading meanwhile (a hub model's
+        # download, the weights' load).
+        self.tp: TPReplica | None = None
+        try:
+            with (
+                LoadingReport(self.registry, pool, self.replica_id, tensor_parallel_size=k),
+                engine_cores(pool_config.engine_cpus) as cores,
+            ):
+                engine = self._build_engine(engine_config)
+                separate = pool_config.output_thread_on(str(engine.device))
+                self.engine = AsyncEngine(engine, output_thread=separate)
+                self.engine.start_engine_thread()
+            self.engine.start()
+        except BaseException:
+            if self.tp is not None:  # no follower outlives a replica that failed to start
+                self.tp.close()
+            raise
         if cores:
             log.info("%s engine thread pinned to cores %s", pool, format_cpu_list(cores))
         self.layout = self.engine.layout
@@ -94,12 +104,22 @@ class EngineReplica:
         self._pushed: ReplicaStats | None = None  # the latest pushed to the registry
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
+    def _build_engine(self, config: EngineConfig) -> MeteredEngine:
+        """The replica's engine: in this process at TP 1; at TP k > 1 rank 0's, its other ranks
+        in processes of their own on this node (`TPReplica`, closed by `_shutdown`)."""
+        if self.tensor_parallel_size == 1:
+            return MeteredEngine(config)
+        self.tp = TPReplica(config, self.tensor_parallel_size, engine_class=MeteredEngine)
+        assert isinstance(self.tp.engine, MeteredEngine)
+        return self.tp.engine
+
     async def stats(self) -> ReplicaStats:
         s = await self.engine.call(lambda e: e.stats())
         figures = {n: getattr(s, n) for n in _ENGINE_FIGURES}
         return ReplicaStats(
             self.pool, self.replica_id, **figures, updated_at=time.time(),
             device=self.device, dtype=self.dtype,
+            tensor_parallel_size=self.tensor_parallel_size,
         )  # fmt: skip
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -165,7 +185,8 @@ class EngineReplica:
         self._pushed = s
 
     async def _shutdown(self) -> None:
-        """Abort what is still running (streams end with finish reason "abort"), then stop."""
+        """Abort what is still running (streams end with finish reason "abort"), then stop: the
+        engine thread, then a TP replica's follower processes."""
         self._reporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reporter
@@ -174,4 +195,6 @@ class EngineReplica:
         with contextlib.suppress(Exception):
             await self.registry.remove.remote(self.pool, self.replica_id)
         await self.engine.stop()
+        if self.tp is not None:
+            await asyncio.to_thread(self.tp.close)
         self.metrics.flush()  # the values batched on the loop

@@ -218,18 +218,22 @@ def test_status_shows_each_routers_direct_endpoint():
     assert [r["grpc_endpoint"] for r in routers] == ["10.0.0.5:41000", ""]
 
 
-def test_status_shows_each_engine_replicas_device_and_dtype():
+def test_status_shows_each_engine_replicas_device_dtype_and_tp_size():
     shot = snapshot()
     shot.stats.replicas.append(
-        pb.ReplicaStats(pool="decode", replica_id="d1", device="cuda", dtype="bfloat16")
+        pb.ReplicaStats(
+            pool="decode", replica_id="d1", device="cuda", dtype="bfloat16", tensor_parallel_size=2
+        )
     )
     shot.stats.replicas[0].device, shot.stats.replicas[0].dtype = "cpu", "float32"
     lines = render(shot)
     at = lines.index(next(line for line in lines if line.startswith("pool  ") and "kv" in line))
-    assert lines[at].split()[:5] == ["pool", "replica", "device", "dtype", "kv"]
-    assert lines[at + 1].split()[:5] == ["prefill", "r1", "cpu", "float32", "512"]
-    assert lines[at + 2].split()[:4] == ["decode", "d1", "cuda", "bfloat16"]
+    assert lines[at].split()[:6] == ["pool", "replica", "device", "dtype", "tp", "kv"]
+    # r1 as a server from before the field reports it: 0, shown as "-"
+    assert lines[at + 1].split()[:6] == ["prefill", "r1", "cpu", "float32", "-", "512"]
+    assert lines[at + 2].split()[:5] == ["decode", "d1", "cuda", "bfloat16", "2"]
     (r1, d1) = strict_json(json.dumps(status_json(shot)))["replicas"]
     assert (r1["device"], r1["dtype"], d1["device"], d1["dtype"]) == (
         "cpu", "float32", "cuda", "bfloat16"
     )  # fmt: skip
+    assert d1["tensor_parallel_size"] == 2

@@ -89,10 +89,11 @@ def test_the_engine_is_built_on_what_the_replica_decided(cuda, tokenizer_model_d
     assert str(engine.device) == "cpu" and engine.kv_cache.k.dtype == torch.float32
 
 
-def test_the_replicas_stats_carry_its_device_and_dtype():
+def test_the_replicas_stats_carry_its_device_dtype_and_tp_size():
     replica = object.__new__(EngineReplica)
     replica.pool, replica.replica_id = "decode", "d0"
     replica.device, replica.dtype = "cuda", "bfloat16"
+    replica.tensor_parallel_size = 2
     figures = SimpleNamespace(**dict.fromkeys(_ENGINE_FIGURES, 0))
 
     async def call(fn):
@@ -101,3 +102,4 @@ def test_the_replicas_stats_carry_its_device_and_dtype():
     replica.engine = SimpleNamespace(call=call)
     stats = asyncio.run(replica.stats())
     assert (stats.pool, stats.device, stats.dtype) == ("decode", "cuda", "bfloat16")
+    assert stats.tensor_parallel_size == 2

@@ -211,7 +211,7 @@ class LoadSignal(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., target_per_replica: _Optional[float] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("pool", "replica_id", "kv_blocks_total", "kv_blocks_used", "kv_blocks_leased", "running", "waiting", "queued_prompt_tokens", "kv_blocks_cached", "generated_tokens", "grpc_endpoint", "device", "dtype", "state")
+    __slots__ = ("pool", "replica_id", "kv_blocks_total", "kv_blocks_used", "kv_blocks_leased", "running", "waiting", "queued_prompt_tokens", "kv_blocks_cached", "generated_tokens", "grpc_endpoint", "device", "dtype", "state", "tensor_parallel_size")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class ReplicaStats(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     replica_id: str
     kv_blocks_total: int
@@ -240,4 +241,5 @@ class ReplicaStats(_message.Message):
     device: str
     dtype: str
     state: str
-    def __init__(self, pool: _Optional[str] = ..., replica_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_leased: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., grpc_endpoint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, pool: _Optional[str] = ..., replica_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_leased: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., grpc_endpoint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., state: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...

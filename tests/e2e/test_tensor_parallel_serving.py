@@ -1,0 +1,89 @@
+"""A colocated app whose replica spans 2 tensor-parallel ranks, end to end on a real local Ray:
+its deployment reserves a STRICT_PACK placement group of one bundle per rank, the replica's
+engine is rank 0 of a `TPReplica` whose other rank is a process of the replica's own, and
+concurrent greedy requests through the router equal transformers' `generate(do_sample=False)`
+on the same checkpoint. Afterwards no KV block is used, `GetStats` lists the replica's TP size,
+and once the app is deleted no follower process is left."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
+
+APP = "tp"
+TP = 2
+NEW_TOKENS = 8
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _ppid(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _followers() -> dict[int, int]:
+    """pid -> parent pid of every multiprocessing-spawned process of the app's replicas."""
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    replicas = {p for p in pids if f"ServeReplica:{APP}:Colocated" in _cmdline(p)}
+    return {p: _ppid(p) for p in pids if "spawn_main" in _cmdline(p) and _ppid(p) in replicas}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+def test_colocated_tp2_serves_transformers_greedy_tokens(ray_serve, tokenizer_model_dir, hf):
+    from ray import serve
+
+    base = small_app_config(str(tokenizer_model_dir))
+    pool = replace(base.decode, tensor_parallel_size=TP)
+    followers: dict[int, int] = {}
+    deploy(replace(base, mode="colocated", decode=pool), APP, f"/{APP}")
+    try:
+        followers = _followers()
+        assert len(followers) == TP - 1, followers  # the replica's own child processes
+        s = stub(ray_serve)
+        cases = [tuple((13 * i + 5 * j) % 4000 + 50 for j in range(4 + 7 * i)) for i in range(6)]
+
+        def run(ids) -> list[pb.GenerateResponse]:
+            sampling = pb.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+            request = pb.GenerateRequest(prompt_token_ids=list(ids), sampling=sampling)
+            return list(s.Generate(request, metadata=app_metadata(APP)))
+
+        with ThreadPoolExecutor(len(cases)) as threads:
+            results = list(threads.map(run, cases))
+        for ids, msgs in zip(cases, results, strict=True):
+            got = [t for m in msgs for t in m.token_ids]
+            hf.assert_greedy(tokenizer_model_dir, ids, got, NEW_TOKENS)
+            assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        (replica,) = wait_for_idle(ray_serve, APP, {"colocated"})
+        assert replica.kv_blocks_used == 0 and replica.running == 0
+        assert replica.tensor_parallel_size == TP
+    finally:
+        serve.delete(APP)
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in followers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in followers if _alive(p)], "a TP follower outlived its replica"

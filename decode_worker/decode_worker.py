@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from cluster.engine.engine import Engine
 from cluster.errors import DeadlineExceeded, PdServeError, Unavailable
-from cluster.kv_transfer.transport_factory import make_kv_client
+from cluster.kv_transfer.transport_factory import make_decode_client
 from cluster.request import Request, StepOutput
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metrics import PoolMetrics
@@ -36,11 +36,16 @@ from decode_worker.token_sender import TokenSender
 class DecodeWorker(EngineReplica):
     async def __init__(self, config: AppConfig) -> None:
         self._start(config, "decode")
-        self.kv_client = make_kv_client(
+        ranks: tuple[str, ...] = ()
+        if self.tp is not None:  # KV moves into every rank's pool, each from its own server
+            ranks = self.tp.rank_endpoints
+            await self.engine.call(lambda e: setattr(e, "imports_every_rank", True))
+        self.kv_client = make_decode_client(
             config.transfer,
             self.engine.device,
-            max_blocks=self.engine.kv_pool.num_blocks,
-            pool=self.engine.kv_pool,
+            self.engine.kv_pool,
+            ranks,
+            getattr(self, "replica_secret", b""),
         )
         self.tokens = TokenSender()
 

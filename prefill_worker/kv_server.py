@@ -3,17 +3,21 @@ its transports add), a thin host for the transports' senders.
 
 It mounts the RPC handlers of the senders `make_senders` builds for its `transport` (the
 baseline's, which every KV server serves, and the transport's own; `cluster.kv_transfer`'s
-registry names them), and serves the two RPCs every transport shares: `ReleaseKV` (the decode
-worker ends a lease) and `CancelPrefill` (a router's, with a cancel token, ends a request by id
-wherever it is on this worker, `LeaseKeeper.cancel`). Each sender checks a presented handle
-before anything is read (its token is genuine, UNAUTHENTICATED; the receiver's layout and the
-handle's equal ours, FAILED_PRECONDITION; the lease is live, NOT_FOUND) and pins the lease for
-the whole transfer through the `LeaseKeeper` (`LeasePins`), so its blocks can be read on a
-worker thread while the engine thread runs its steps. An RPC of a transport this server does
-not serve is UNIMPLEMENTED.
+registry names them), and serves the RPCs every transport shares: `ReleaseKV` (the decode worker
+ends a lease), `CancelPrefill` (a router's, with a cancel token, ends a request by id wherever
+it is on this worker, `LeaseKeeper.cancel`) and `PinKV` (the KV server of one of this replica's
+tensor-parallel ranks pins a lease while it reads its own heads of it). Each sender checks a
+presented handle before anything is read (its token is genuine, UNAUTHENTICATED; the receiver's
+layout and the handle's equal ours, FAILED_PRECONDITION; the lease is live, NOT_FOUND) and pins
+the lease for the whole transfer through the `LeaseKeeper` (`LeasePins`), so its blocks can be
+read on a worker thread while the engine thread runs its steps. An RPC of a transport this
+server does not serve is UNIMPLEMENTED.
 """
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -70,6 +74,7 @@ class KVServer(KVTransferServicer):
         self.host = host
         self.port = port
         self.max_chunk_bytes = max_chunk_bytes
+        self.pin_timeout_s = channel_timeout_s
         self.endpoint: str | None = None
         self._server: grpc.aio.Server | None = None
 
@@ -81,7 +86,8 @@ class KVServer(KVTransferServicer):
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
             ]
         )
-        services = {SERVICE: generated_handlers(self, ("ReleaseKV", "CancelPrefill"))}
+        own = ("ReleaseKV", "CancelPrefill", "PinKV")
+        services = {SERVICE: generated_handlers(self, own)}
         for sender in self.senders.values():
             for service, handlers in sender.handlers().items():
                 services.setdefault(service, {}).update(handlers)
@@ -132,3 +138,19 @@ class KVServer(KVTransferServicer):
         except PdServeError as exc:
             await abort(context, exc)
         return pb.CancelPrefillResponse(released=released)
+
+    async def PinKV(
+        self, request: pb.PinKVRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVPinned]:
+        rid = request.request_id
+        try:
+            if not rid:
+                raise InvalidArgument("PinKV needs a request_id", param="request_id")
+            block_ids, num_tokens = await self.leases.begin_fetch(rid, request.capability_token)
+        except PdServeError as exc:
+            await abort(context, exc)
+        try:
+            yield pb.KVPinned(block_ids=block_ids, num_tokens=num_tokens)
+            await asyncio.sleep(self.pin_timeout_s)  # until the caller ends the call, or this
+        finally:
+            self.leases.end_fetch(rid)

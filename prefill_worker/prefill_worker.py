@@ -52,6 +52,11 @@ class PrefillWorker(EngineReplica):
             channel_idle_s=transfer.channel_idle_seconds,
         )
         self.endpoint = await self.server.start()
+        ranks: tuple[str, ...] = ()
+        if self.tp is not None:  # the other ranks' KV servers pin leases through this one
+            self.tp.publish_leader(self.endpoint)
+            ranks = self.tp.rank_endpoints
+        self.rank_endpoints = ranks
         self.draining = False
         self._leases_reported: dict[str, int] = {}
 
@@ -82,6 +87,7 @@ class PrefillWorker(EngineReplica):
                 lease_expiry_unix=expiry,
                 capability_token=token,
                 first_token_id=first.token_ids[0],
+                rank_endpoints=self.rank_endpoints,
             )
         prefill_seconds = time.monotonic() - received - first.queue_seconds
         self.metrics.observe("pdserve_queue_time_seconds", first.queue_seconds)

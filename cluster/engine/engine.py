@@ -104,6 +104,7 @@ class Engine:
         self._pending: list[StepOutput] = []
         self.generated_tokens = 0
         self._grammars: GrammarCompiler | None = None  # made on the first constrained request
+        self.imports_every_rank = False  # see `reserve_import`
 
     # -- admission -------------------------------------------------------------------------
 
@@ -120,9 +121,12 @@ class Engine:
         them in token order; a KV transport writes them (off the engine thread: nothing else
         touches them) before `finish_import`. Until then the sequence is IMPORTING: never
         scheduled, freed by `abort`. Raises InvalidArgument / ResourceExhausted, and
-        FailedPrecondition at TP > 1: a transport would write rank 0's heads only."""
-        if self.loaded.model.tp.world_size > 1:
-            raise FailedPrecondition("KV import into a tensor-parallel engine is not supported")
+        FailedPrecondition at TP > 1 unless `imports_every_rank`: the caller's transport writes
+        every rank's heads (`cluster.kv_transfer.tp_ranks.ShardedKVClient`), not rank 0's only."""
+        if self.loaded.model.tp.world_size > 1 and not self.imports_every_rank:
+            raise FailedPrecondition(
+                "KV import into a tensor-parallel engine needs every rank's KV server"
+            )
         seq = self._new_sequence(request)
         if not self.scheduler.reserve_import(seq):
             n = self.scheduler.blocks_for(seq.num_context_tokens)
@@ -346,6 +350,9 @@ def kv_layout(model_id: str, model: CausalLM, config: EngineConfig) -> KVLayout:
         num_kv_heads=model.shard.local_kv_heads,
         head_dim=model.spec.head_dim,
         block_size=config.cache.block_size,
+        kv_head_start=model.shard.first_kv_head,
+        total_kv_heads=model.spec.num_kv_heads,
+        tp_size=model.shard.world_size,
     )
 
 

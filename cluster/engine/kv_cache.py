@@ -7,7 +7,7 @@ tokens of whichever sequence owns block `b` (see `BlockManager` for ownership).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -21,7 +21,12 @@ _GiB = 1 << 30
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Everything that must match for KV written by one engine to be read by another."""
+    """Everything that must match for KV written by one engine to be read by another.
+
+    A pool of a tensor-parallel rank holds a slice of the model's KV heads: `num_kv_heads`
+    heads from `kv_head_start`, of `total_kv_heads`, in a replica of `tp_size` ranks (at TP 1:
+    all of them, from 0). A head slice of a pool (`head_slice`) is what one rank of another TP
+    size reads from it."""
 
     model_id: str
     dtype: str
@@ -29,9 +34,47 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    kv_head_start: int = 0
+    total_kv_heads: int = 0  # 0: num_kv_heads (a whole pool)
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.total_kv_heads:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        if not self.tp_size:
+            object.__setattr__(self, "tp_size", 1)
 
     def to_dict(self) -> dict:
         return dict(vars(self))  # its fields, all flat (asdict's deep copy took 20x as long)
+
+    @property
+    def head_end(self) -> int:
+        return self.kv_head_start + self.num_kv_heads
+
+    def same_model(self, other: KVLayout) -> bool:
+        """Whether KV heads of `other` and of this layout are the same heads of the same
+        model's KV, whatever slice of them each holds."""
+        fixed = ("model_id", "dtype", "num_layers", "head_dim", "block_size", "total_kv_heads")
+        return all(getattr(self, f) == getattr(other, f) for f in fixed)
+
+    def head_slice(self, start: int, count: int) -> KVLayout:
+        """The layout of heads `[start, start + count)` of this pool's (FailedPrecondition if
+        it does not hold them all)."""
+        if not self.kv_head_start <= start < start + count <= self.head_end:
+            raise FailedPrecondition(
+                f"KV heads [{start}, {start + count}) are not in this pool's "
+                f"[{self.kv_head_start}, {self.head_end})"
+            )
+        return replace(self, kv_head_start=start, num_kv_heads=count)
+
+    def check_serves(self, slice_layout: KVLayout) -> int:
+        """Check that `slice_layout` is a head slice of this layout; its first head's index in
+        this pool. FailedPrecondition otherwise (at TP 1 on both sides: unless equal)."""
+        start, count = slice_layout.kv_head_start, slice_layout.num_kv_heads
+        if count < 1 or not self.kv_head_start <= start <= self.head_end - count:
+            self.check_matches(slice_layout)  # raises, naming the fields that differ
+        self.head_slice(start, count).check_matches(slice_layout)
+        return start - self.kv_head_start
 
     @property
     def block_shape(self) -> tuple[int, int, int]:

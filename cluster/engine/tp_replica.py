@@ -37,6 +37,8 @@ from cluster.model.parallel.shard import TPShard
 
 log = logging.getLogger("ray.serve." + __name__)
 
+_LEADER_KEY = "kv/leader"
+
 
 class TPReplica:
     def __init__(
@@ -47,9 +49,13 @@ class TPReplica:
         timeout_s: float = 60.0,
         start_timeout_s: float = 300.0,
         engine_class: type[Engine] = Engine,
+        rank_service=None,
     ) -> None:
         """`engine_class`: rank 0's engine, `Engine` or a subclass that keeps its constructor
-        (a served replica's `MeteredEngine`)."""
+        (a served replica's `MeteredEngine`). `rank_service`: what each other rank serves its
+        KV with (picklable, with `start(pool, leader) -> "host:port"`, e.g.
+        `cluster.kv_transfer.rank_server.RankService`); their endpoints are `rank_endpoints`,
+        and rank 0's own KV server is told to them with `publish_leader`."""
         k = tensor_parallel_size
         if k < 2:
             raise InvalidArgument("a TPReplica has 2 or more ranks; use Engine for TP 1")
@@ -58,7 +64,7 @@ class TPReplica:
         self.timeout_s = timeout_s
         store = host_store(host, k, start_timeout_s)
         ctx = mp.get_context("spawn")
-        args = (config, k, host, store.port, timeout_s, torch.get_num_threads())
+        args = (config, k, host, store.port, timeout_s, torch.get_num_threads(), rank_service)
         self.followers = [
             ctx.Process(target=_follower, args=(rank, *args), daemon=True) for rank in range(1, k)
         ]
@@ -73,10 +79,19 @@ class TPReplica:
             # be reading): wait for them with the start's deadline, not a step's.
             self.group.broadcast_object("loaded", timeout_s=start_timeout_s)
             self.engine = engine_class(config, loaded)
+            self.rank_endpoints: tuple[str, ...] = ()
+            if rank_service is not None:
+                keys = [f"kv/{rank}" for rank in range(1, k)]
+                _wait_keys(store, keys, self.followers, start_timeout_s)
+                self.rank_endpoints = tuple(store.get(key).decode() for key in keys)
         except BaseException:
             self._reap(0.0)
             raise
         self.store = store  # kept alive: the followers' group was made through it
+
+    def publish_leader(self, endpoint: str) -> None:
+        """Tell the other ranks' KV servers rank 0's ("host:port"), which owns the leases."""
+        self.store.set(_LEADER_KEY, endpoint)
 
     def close(self) -> None:
         """Stop the followers; the engine is unusable afterwards. Idempotent."""
@@ -105,14 +120,21 @@ class TPReplica:
 
 
 def _wait_ready(store, followers: list, timeout_s: float) -> None:
+    _wait_keys(
+        store, [f"ready/{rank}" for rank in range(1, len(followers) + 1)], followers, timeout_s
+    )
+
+
+def _wait_keys(store, keys: list[str], followers: list, timeout_s: float) -> None:
+    """Wait until the followers have set every key of `keys` in the store (rank order)."""
     deadline = time.monotonic() + timeout_s
-    for rank in range(1, len(followers) + 1):
+    for rank, key in enumerate(keys, start=1):
         while True:
-            if store.check([f"ready/{rank}"]):
+            if store.check([key]):
                 break
             dead = [p.pid for p in followers if not p.is_alive()]
             if dead or time.monotonic() > deadline:
-                why = f"exited (pids {dead})" if dead else f"not ready in {timeout_s} s"
+                why = f"exited (pids {dead})" if dead else f"did not set {key} in {timeout_s} s"
                 raise Unavailable(f"TP follower rank {rank} {why}")
             time.sleep(0.05)
 
@@ -125,6 +147,7 @@ def _follower(
     port: int,
     timeout_s: float,
     threads: int,
+    rank_service=None,
 ) -> None:
     """A follower process: join the group, load this rank's shard, build its KV pool with the
     leader's block count, then run steps until told to stop."""
@@ -142,4 +165,14 @@ def _follower(
     num_blocks = group.broadcast_object()  # rank 0 sizes the pool
     layout = kv_layout(loaded.info.model_id, model, config)
     kv = KVCache(layout, num_blocks, config.model.torch_dtype, device)
+    if rank_service is not None:
+        # Its own store client: the service's thread asks for rank 0's endpoint when it needs it.
+        leader_store = join_store(host, port, world_size, timeout_s)
+        store.set(f"kv/{rank}", rank_service.start(kv, lambda: _leader(leader_store)))
     follow_steps(ModelRunner(model, kv, device), group)
+
+
+def _leader(store) -> str:
+    """Rank 0's KV server, once `publish_leader` has set it (waits for it)."""
+    store.wait([_LEADER_KEY])
+    return store.get(_LEADER_KEY).decode()

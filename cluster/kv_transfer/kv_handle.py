@@ -18,6 +18,7 @@ from cluster.kv_transfer import registry
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
 _U32 = 1 << 32
+MAX_TP_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class KVHandle:
     lease_expiry_unix: float
     capability_token: bytes
     first_token_id: int | None = None
+    # The KV servers of the prefill replica's ranks 1.. at TP > 1 (rank 0's is `endpoint`).
+    rank_endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -65,6 +68,18 @@ class KVHandle:
             raise InvalidArgument("KV handle has no capability token")
         if self.first_token_id is not None and not _uint(self.first_token_id, _U32):
             raise InvalidArgument(f"KV handle first_token_id out of range: {self.first_token_id}")
+        ranks = self.rank_endpoints
+        if not isinstance(ranks, tuple) or len(ranks) != self.layout.tp_size - 1:
+            raise InvalidArgument(
+                f"KV handle of a TP {self.layout.tp_size} pool needs "
+                f"{self.layout.tp_size - 1} rank endpoints"
+            )
+        for endpoint in ranks:
+            split_endpoint(endpoint)
+
+    def rank_endpoint(self, rank: int) -> str:
+        """The KV server of the prefill replica's rank `rank`."""
+        return self.endpoint if rank == 0 else self.rank_endpoints[rank - 1]
 
     def to_proto(self) -> pb.KVHandle:
         msg = pb.KVHandle(
@@ -77,6 +92,7 @@ class KVHandle:
             layout=layout_to_proto(self.layout),
             lease_expiry_unix=self.lease_expiry_unix,
             capability_token=self.capability_token,
+            rank_endpoints=self.rank_endpoints,
         )
         if self.first_token_id is not None:
             msg.first_token_id = self.first_token_id
@@ -98,6 +114,7 @@ class KVHandle:
             lease_expiry_unix=msg.lease_expiry_unix,
             capability_token=msg.capability_token,
             first_token_id=msg.first_token_id if msg.HasField("first_token_id") else None,
+            rank_endpoints=tuple(msg.rank_endpoints),
         )
 
 
@@ -113,6 +130,9 @@ def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         block_size=msg.block_size,
+        kv_head_start=msg.kv_head_start,
+        total_kv_heads=msg.total_kv_heads,
+        tp_size=msg.tp_size,
     )
     _check_layout(layout)
     return layout
@@ -137,6 +157,10 @@ def _check_layout(layout: KVLayout) -> None:
     dims = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
     if not all(_uint(d, _U32) and d > 0 for d in dims):
         raise InvalidArgument(f"KV layout dimensions must be positive: {layout}")
+    if not (_uint(layout.kv_head_start, _U32) and layout.head_end <= layout.total_kv_heads):
+        raise InvalidArgument(f"KV layout heads out of range: {layout}")
+    if not _uint(layout.tp_size, MAX_TP_SIZE + 1) or layout.tp_size == 0:
+        raise InvalidArgument(f"KV layout tp_size must be 1 to {MAX_TP_SIZE}: {layout}")
 
 
 def _uint(x: object, bound: int) -> bool:

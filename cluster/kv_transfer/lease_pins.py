@@ -12,11 +12,12 @@ may read the blocks on any thread while it holds the pin.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from cluster.engine.kv_cache import KVLayout
 from cluster.errors import InvalidArgument, PdServeError, Unauthenticated
 from cluster.kv_transfer.capability import Capability
 from cluster.kv_transfer.kv_handle import KVHandle, layout_from_proto
@@ -25,7 +26,6 @@ from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import add_KVTransferServicer_to
 
 if TYPE_CHECKING:
     from cluster.engine.async_engine import AsyncEngine
-    from cluster.engine.kv_cache import KVLayout
 
 SERVICE = "pdserve.v1.KVTransfer"
 
@@ -91,17 +91,35 @@ async def pin(parts: SenderParts, request) -> tuple[str, list[int]]:
     """Check a transfer request's `handle` and `receiver_layout` (token, both layouts equal
     ours, FailedPrecondition otherwise) and pin its lease: (request id, block ids). The caller
     owes `parts.leases.end_fetch(request id)`."""
+    rid, block_ids, _ = await pin_slice(parts, request, whole=True)
+    return rid, block_ids
+
+
+async def pin_slice(
+    parts: SenderParts, request, whole: bool = False
+) -> tuple[str, list[int], KVLayout]:
+    """`pin` for a `receiver_layout` that may name a head slice of our pool (a rank of another
+    TP size, `KVLayout.check_serves`): (request id, block ids, the slice's layout). The
+    handle's layout is our replica's rank 0's: the same model at the same TP size."""
     handle = authenticate(parts.leases, request.handle)
     if not request.HasField("receiver_layout"):
         raise InvalidArgument("a KV transfer needs receiver_layout")
-    parts.layout.check_matches(layout_from_proto(request.receiver_layout))
-    parts.layout.check_matches(handle.layout)
+    receiver = layout_from_proto(request.receiver_layout)
+    if whole:
+        parts.layout.check_matches(receiver)
+        parts.layout.check_matches(handle.layout)
+    else:
+        parts.layout.check_serves(receiver)
+        ours = replace(parts.layout, kv_head_start=0, num_kv_heads=parts.layout.total_kv_heads)
+        ours.check_matches(
+            replace(handle.layout, kv_head_start=0, num_kv_heads=handle.layout.total_kv_heads)
+        )
     rid = handle.request_id
     block_ids, num_tokens = await parts.leases.begin_fetch(rid, handle.capability_token)
     if block_ids != list(handle.block_ids) or num_tokens != handle.num_tokens:
         parts.leases.end_fetch(rid)
         raise InvalidArgument("handle does not match its lease")
-    return rid, block_ids
+    return rid, block_ids, receiver
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: PdServeError) -> None:

@@ -45,6 +45,31 @@ def make_kv_client(
         return baseline
 
 
+def make_decode_client(
+    transfer: TransferConfig,
+    device: torch.device,
+    pool: KVCache,
+    ranks: tuple[str, ...] = (),
+    replica_secret: bytes = b"",
+):
+    """A decode replica's client: `make_kv_client`'s for KV laid out as its pool is, and the
+    baseline's head-sliced fetches for KV of a prefill pool of another tensor-parallel size,
+    into this rank's pool and, through `ImportKV`, into those of its ranks 1.. (`ranks`, their
+    KV servers, which take `replica_secret`)."""
+    inner = make_kv_client(transfer, device, pool.num_blocks, pool)
+    control = KVControl(
+        transfer.max_chunk_bytes, transfer.fetch_timeout_seconds, transfer.channel_idle_seconds
+    )
+    parts = ClientParts(transfer, device, pool.num_blocks, pool, control)
+    baseline = registry.package(registry.BASELINE)
+    return baseline.make_sharded_client(inner, parts, ranks, replica_secret)
+
+
+def make_rank_service(transfer: TransferConfig, host: str, replica_secret: bytes):
+    """What the ranks 1.. of a tensor-parallel replica serve their KV heads with."""
+    return registry.package(registry.BASELINE).make_rank_service(transfer, host, replica_secret)
+
+
 def make_senders(parts: SenderParts) -> tuple[str, dict[str, KVSender]]:
     """The senders a prefill worker's KV server mounts for `parts.transport`, by transport:
     the baseline's, and the transport's own when it is another; with the transport its handles

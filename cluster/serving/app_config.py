@@ -32,7 +32,13 @@ from cluster.serving.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, ROUTER_
 from cluster.serving.config_docs import describe_fields
 
 # The pools' configs live in pool_config.py; importing them from here keeps working.
-from cluster.serving.pool_config import ENGINE_FIELDS, DeploymentConfig, PoolConfig
+from cluster.serving.pool_config import (
+    DISAGGREGATED_TP_SIZES,
+    ENGINE_FIELDS,
+    DeploymentConfig,
+    PoolConfig,
+    check_tp_split,
+)
 
 Mode = Literal["disaggregated", "colocated"]
 # The names router/chat registers (a test keeps them equal).
@@ -145,14 +151,10 @@ class AppConfig:
         if self.prefill.cache.block_size != self.decode.cache.block_size:
             raise ConfigError("prefill and decode pools must use the same KV block_size")
         tp = {p: getattr(self, p).tensor_parallel_size for p in ENGINE_POOLS}
-        if self.mode == "disaggregated" and max(tp.values()) > 1:
+        if self.mode == "disaggregated" and not set(tp.values()) <= set(DISAGGREGATED_TP_SIZES):
             raise ConfigError(
-                f"tensor_parallel_size is prefill {tp['prefill']}, decode {tp['decode']}: a "
-                "disaggregated app needs 1 in both pools, as KV does not move between "
-                "tensor-parallel engines yet (a TP > 1 engine refuses every import); tensor "
-                "parallelism serves in a colocated app (mode colocated, "
-                "decode.tensor_parallel_size; pdserve serve --mode colocated "
-                "--tensor-parallel-size N)"
+                f"tensor_parallel_size is prefill {tp['prefill']}, decode {tp['decode']}: KV "
+                f"moves between TP sizes {DISAGGREGATED_TP_SIZES} (in a colocated app, up to 8)"
             )
         if self.default_chat_template_kwargs:
             _json_object(self.default_chat_template_kwargs, "default_chat_template_kwargs")
@@ -193,6 +195,10 @@ class AppConfig:
         from cluster.model.hub import pinned
 
         model = pinned(self.model)
+        if self.mode == "disaggregated":
+            check_tp_split(
+                model, self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
+            )
         budget = {p: getattr(self, p).scheduler.for_device(model.device) for p in ENGINE_POOLS}
         config = replace(
             self,

@@ -21,6 +21,25 @@ from cluster.serving.cpu_affinity import parse_cpu_list
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 # A replica's ranks all on one node: its followers are processes of the replica's own.
 TP_STRATEGY = "STRICT_PACK"
+# The sizes KV moves between in a disaggregated app (`cluster.kv_transfer.tp_ranks`).
+DISAGGREGATED_TP_SIZES = (1, 2, 4)
+
+
+def check_tp_split(model, prefill_tp: int, decode_tp: int) -> None:
+    """ConfigError, naming both sizes, unless the checkpoint of `model` (a `ModelConfig`)
+    splits over both pools' TP sizes (heads, KV heads, intermediate size), so that every
+    decode rank's KV heads are held whole by prefill ranks."""
+    from cluster.model.info import describe_model
+    from cluster.model.parallel.shard import TPShard
+
+    spec = describe_model(model).spec
+    for k in {prefill_tp, decode_tp} - {1}:
+        try:
+            TPShard.of(spec, 0, k)
+        except InvalidArgument as e:
+            raise ConfigError(
+                f"prefill tensor_parallel_size {prefill_tp} -> decode {decode_tp}: {e.message}"
+            ) from None
 
 
 def _cpu_list(value: Any) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -16,10 +17,11 @@ from dataclasses import fields, replace
 
 import torch
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, resolve_host
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import EngineStats
 from cluster.engine.tp_replica import TPReplica
+from cluster.kv_transfer.transport_factory import make_rank_service
 from cluster.serving.app_config import AppConfig
 from cluster.serving.cpu_affinity import engine_cores, format_cpu_list, thread_cpus
 from cluster.serving.loading_report import LoadingReport
@@ -109,9 +111,23 @@ class EngineReplica:
         in processes of their own on this node (`TPReplica`, closed by `_shutdown`)."""
         if self.tensor_parallel_size == 1:
             return MeteredEngine(config)
-        self.tp = TPReplica(config, self.tensor_parallel_size, engine_class=MeteredEngine)
+        self.tp = TPReplica(
+            config,
+            self.tensor_parallel_size,
+            engine_class=MeteredEngine,
+            rank_service=self._rank_service(),
+        )
         assert isinstance(self.tp.engine, MeteredEngine)
         return self.tp.engine
+
+    def _rank_service(self):
+        """In a disaggregated app, what the other ranks serve their KV heads with (their own
+        KV servers, on this node's address: `cluster.kv_transfer.rank_server`)."""
+        if self.config.mode != "disaggregated":
+            return None
+        transfer = self.config.transfer
+        self.replica_secret = secrets.token_bytes(32)
+        return make_rank_service(transfer, resolve_host(transfer.host), self.replica_secret)
 
     async def stats(self) -> ReplicaStats:
         s = await self.engine.call(lambda e: e.stats())

@@ -1,12 +1,18 @@
 """The `grpc` KV transport, the baseline every KV server serves: the decode side streams a
 lease's KV in checked chunks (`GrpcKVClient`) from the prefill side's FetchKV
-(`GrpcKVSender`). No native dependency; any network, CPU or GPU."""
+(`GrpcKVSender`). No native dependency; any network, CPU or GPU.
+
+It also moves KV between tensor-parallel groups of different sizes, whatever the configured
+transport (`tp_ranks`: head-sliced fetches, rank to rank; `rank_server`: the KV server of a
+replica's rank 1..)."""
 
 from __future__ import annotations
 
 from cluster.kv_transfer.base import ClientParts, KVClient, KVSender
 from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 from cluster.kv_transfer.grpc.grpc_kv_sender import GrpcKVSender
+from cluster.kv_transfer.grpc.rank_server import RankService
+from cluster.kv_transfer.grpc.tp_ranks import ShardedKVClient
 from cluster.kv_transfer.lease_pins import SenderParts
 
 
@@ -24,3 +30,24 @@ def make_client(parts: ClientParts) -> KVClient:
 
 def make_sender(parts: SenderParts) -> KVSender:
     return GrpcKVSender(parts)
+
+
+def make_sharded_client(
+    inner: KVClient, parts: ClientParts, ranks: tuple[str, ...], replica_secret: bytes
+) -> KVClient:
+    """The decode replica's client: `inner` for KV of its own layout, head-sliced fetches over
+    gRPC for KV of another TP size, `ImportKV` to its ranks 1.. (`ranks`) for theirs."""
+    slices = make_client(parts)
+    assert isinstance(slices, GrpcKVClient)
+    return ShardedKVClient(inner, slices, ranks, replica_secret)
+
+
+def make_rank_service(transfer, host: str, replica_secret: bytes) -> RankService:
+    """What a tensor-parallel replica's ranks 1.. serve their KV with (see `rank_server`)."""
+    return RankService(
+        host,
+        transfer.secret,
+        replica_secret,
+        transfer.max_chunk_bytes,
+        transfer.fetch_timeout_seconds,
+    )

@@ -63,8 +63,20 @@ class GrpcKVClient(KVClient):
         await self._stream(handle, pool.layout, (pool.k, pool.v, block_ids))
         return len(block_ids) * pool.layout.num_layers * unit_bytes(pool.layout)
 
-    async def _stream(self, handle: KVHandle, layout: KVLayout, into) -> KVExport:
-        layout.check_matches(handle.layout)
+    async def fetch_heads(self, handle: KVHandle, rank: int, heads: KVLayout) -> KVExport:
+        """The KV heads `heads` names (a head slice of the pool of rank `rank` of the prefill
+        replica; `tp_ranks.head_plan`), from that rank's KV server. The lease stays held."""
+        if not heads.same_model(handle.layout) or not 0 <= rank < handle.layout.tp_size:
+            raise FailedPrecondition(
+                f"KV heads {heads} are not of the model of the handle's layout {handle.layout}"
+            )
+        return await self._stream(handle, heads, None, handle.rank_endpoint(rank))
+
+    async def _stream(
+        self, handle: KVHandle, layout: KVLayout, into, endpoint: str | None = None
+    ) -> KVExport:
+        if endpoint is None:
+            layout.check_matches(handle.layout)
         if unit_bytes(layout) > self.max_chunk_bytes:
             raise FailedPrecondition(
                 f"max_chunk_bytes={self.max_chunk_bytes} is below one block of one layer"
@@ -83,7 +95,8 @@ class GrpcKVClient(KVClient):
             max_chunk_bytes=self.max_chunk_bytes,
             checksum=self.checksum,
         )
-        call = self.stubs.fetch_kv(handle.endpoint)(request, timeout=self.timeout_s)
+        endpoint = endpoint or handle.endpoint
+        call = self.stubs.fetch_kv(endpoint)(request, timeout=self.timeout_s)
         loop = asyncio.get_running_loop()
         adding: asyncio.Future | None = None  # never cancelled: a copy may be writing a pool
         try:
@@ -99,7 +112,7 @@ class GrpcKVClient(KVClient):
             raise rpc_error(exc, handle) from None
         except InvalidArgument as exc:
             raise Unavailable(
-                f"malformed KV stream from {handle.endpoint} for request "
+                f"malformed KV stream from {endpoint} for request "
                 f"{handle.request_id!r}: {exc.message}"
             ) from None
         finally:

@@ -18,7 +18,9 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+import torch
 
+from cluster.engine.kv_cache import KVLayout
 from cluster.errors import InvalidArgument, PdServeError
 from cluster.kv_transfer.base import KVSender
 from cluster.kv_transfer.kv_frame import encode_frame
@@ -27,11 +29,12 @@ from cluster.kv_transfer.kv_wire import (
     PoolSlices,
     chunk_header,
     chunk_ranges,
+    encode_chunks,
     gather_chunks,
     pool_slices,
     unit_bytes,
 )
-from cluster.kv_transfer.lease_pins import SenderParts, abort, pin
+from cluster.kv_transfer.lease_pins import SenderParts, abort, pin_slice
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 
 
@@ -62,13 +65,17 @@ class GrpcKVSender(KVSender):
         self, request: pb.FetchKVRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         try:
-            rid, block_ids = await pin(self.parts, request)
+            rid, block_ids, receiver = await pin_slice(self.parts, request)
         except PdServeError as exc:
             await abort(context, exc)
         try:
             limit = request.max_chunk_bytes or self.max_chunk_bytes
-            limit = max(min(limit, self.max_chunk_bytes), self.unit_bytes)
-            async for frame in self.frames(rid, block_ids, limit, request.checksum):
+            if receiver != self.layout:
+                frames = self.slice_frames(rid, block_ids, receiver, limit)
+            else:
+                limit = max(min(limit, self.max_chunk_bytes), self.unit_bytes)
+                frames = self.frames(rid, block_ids, limit, request.checksum)
+            async for frame in frames:
                 yield frame
         except PdServeError as exc:
             await abort(context, exc)
@@ -93,6 +100,32 @@ class GrpcKVSender(KVSender):
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
+
+    async def slice_frames(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        heads: KVLayout,
+        max_chunk_bytes: int,
+    ) -> AsyncIterator[bytes]:
+        """The chunks of a head slice of the lease's KV (`heads`, checked by `pin_slice`), for a
+        rank of another TP size: the slice is copied out of the pool under the pin, then framed.
+        Blocks are numbered in the lease's order, as in a whole fetch."""
+        h0 = heads.kv_head_start - self.layout.kv_head_start
+        h1 = h0 + heads.num_kv_heads
+        limit = max(min(max_chunk_bytes, self.max_chunk_bytes), unit_bytes(heads))
+
+        def read(pool):
+            idx = torch.tensor(block_ids, dtype=torch.long, device=pool.k.device)
+            k, v = (t.index_select(1, idx)[:, :, :, h0:h1].contiguous() for t in (pool.k, pool.v))
+            return k.cpu(), v.cpu()
+
+        k, v = await asyncio.to_thread(self.engine.read_held_kv, request_id, block_ids, read)
+        frames = await asyncio.to_thread(
+            lambda: [encode_frame(header, data) for header, data in encode_chunks(k, v, limit)]
+        )
+        for frame in frames:  # every header carries its checksum, asked for or not
+            yield frame
 
     async def _produce(
         self,

@@ -99,6 +99,8 @@ def test_kv_transfer_service_shape() -> None:
         "CloseChannel": ("CloseChannelRequest", "CloseChannelResponse", False, False),
         "ConnectNixl": ("ConnectNixlRequest", "NixlPool", False, False),
         "HoldKV": ("HoldKVRequest", "KVHeld", False, True),
+        "PinKV": ("PinKVRequest", "KVPinned", False, True),
+        "ImportKV": ("ImportKVRequest", "ImportKVResponse", False, False),
     }
 
 

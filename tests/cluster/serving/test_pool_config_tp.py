@@ -6,6 +6,8 @@ tests/e2e/test_tensor_parallel_serving.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.config import ConfigError, ModelConfig
@@ -15,6 +17,7 @@ from cluster.serving.app_config import AppConfig
 from cluster.serving.gpu_placement import ClusterView, engine_gpus
 from cluster.serving.placement import check_fits, demands
 from cluster.serving.pool_config import TP_STRATEGY, PoolConfig
+from tests.conftest import build_checkpoint
 
 MODEL = ModelConfig(path="/models/m")
 
@@ -59,21 +62,34 @@ def test_a_rank_needs_cpus_and_at_most_one_gpu():
     assert PoolConfig(tensor_parallel_size=1, num_gpus=0.5).num_gpus == 0.5
 
 
-@pytest.mark.parametrize(("prefill", "decode"), [(2, 1), (1, 2), (4, 4)])
-def test_a_disaggregated_app_with_tp_is_refused_naming_both_sizes(prefill, decode):
-    pools = {
-        "prefill": PoolConfig(tensor_parallel_size=prefill),
-        "decode": PoolConfig(tensor_parallel_size=decode),
-    }
-    with pytest.raises(ConfigError) as e:
-        AppConfig(model=MODEL, **pools)
-    text = str(e.value)
-    assert f"prefill {prefill}, decode {decode}" in text
-    assert "colocated" in text and "KV does not move" in text
-    args = {"model": {"path": "/m"}, "prefill": {"tensor_parallel_size": prefill}}
-    if prefill > 1:  # the builder a Serve config names refuses it too
-        with pytest.raises(InvalidArgument, match="a disaggregated app needs 1 in both pools"):
-            build_app(args)
+def test_a_disaggregated_app_takes_tp_1_2_4_in_either_pool_and_refuses_8_naming_both():
+    for prefill, decode in [(2, 1), (1, 2), (4, 4), (1, 4)]:
+        pools = {
+            "prefill": PoolConfig(tensor_parallel_size=prefill),
+            "decode": PoolConfig(tensor_parallel_size=decode),
+        }
+        assert AppConfig(model=MODEL, **pools).decode.tensor_parallel_size == decode
+    with pytest.raises(ConfigError, match="prefill 8, decode 2: KV moves between TP sizes"):
+        AppConfig(
+            model=MODEL,
+            prefill=PoolConfig(tensor_parallel_size=8),
+            decode=PoolConfig(tensor_parallel_size=2),
+        )
+
+
+def test_a_tp_size_the_checkpoint_does_not_split_is_refused_when_the_app_is_built(tmp_path):
+    # 6 heads over 3 KV heads: TP 2 splits the heads but not the KV heads.
+    path = build_checkpoint(
+        "llama-gqa", tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
+    )
+    config = AppConfig(
+        model=ModelConfig(str(path)),
+        prefill=PoolConfig(tensor_parallel_size=1),
+        decode=PoolConfig(tensor_parallel_size=2),
+    )
+    with pytest.raises(ConfigError, match="prefill tensor_parallel_size 1 -> decode 2: .*KV heads"):
+        config.resolved()
+    assert replace(config, mode="colocated", decode=PoolConfig()).resolved()
 
 
 def test_a_colocated_app_takes_tp_and_ignores_the_unused_prefill_pool():

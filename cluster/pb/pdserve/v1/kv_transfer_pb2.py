@@ -24,49 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\"{\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\"\x89\x02\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x19\n\x11lease_expiry_unix\x18\x08 \x01(\x01\x12\x18\n\x10\x63\x61pability_token\x18\t \x01(\x0c\x12\x1b\n\x0e\x66irst_token_id\x18\n \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_first_token_id\"\x90\x01\n\x0e\x46\x65tchKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12-\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x08\"\'\n\x07KVChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"P\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x63\x61pability_token\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"@\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63\x61ncel_token\x18\x02 \x01(\x0c\")\n\x15\x43\x61ncelPrefillResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"M\n\x12OpenChannelRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12$\n\x06handle\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\"=\n\x13OpenChannelResponse\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\"x\n\rPushKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12-\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nchannel_id\x18\x03 \x01(\t\"K\n\x0ePushKVResponse\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x0b\n\x03tag\x18\x04 \x01(\r\")\n\x13\x43loseChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\"&\n\x14\x43loseChannelResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x7f\n\x12\x43onnectNixlRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12-\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0creader_agent\x18\x03 \x01(\t\"\xe4\x01\n\x08NixlPool\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x0e\n\x06k_base\x18\x05 \x01(\x04\x12\x0e\n\x06v_base\x18\x06 \x01(\x04\x12\x14\n\x0clayer_stride\x18\x07 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x08 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\t \x01(\x04\x12\x12\n\nnum_layers\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\"z\n\rHoldKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12-\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0creader_agent\x18\x03 \x01(\t\"\x1c\n\x06KVHeld\x12\x12\n\nagent_name\x18\x01 \x01(\t2\xce\x04\n\nKVTransfer\x12<\n\x07\x46\x65tchKV\x12\x1a.pdserve.v1.FetchKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse\x12N\n\x0bOpenChannel\x12\x1e.pdserve.v1.OpenChannelRequest\x1a\x1f.pdserve.v1.OpenChannelResponse\x12?\n\x06PushKV\x12\x19.pdserve.v1.PushKVRequest\x1a\x1a.pdserve.v1.PushKVResponse\x12Q\n\x0c\x43loseChannel\x12\x1f.pdserve.v1.CloseChannelRequest\x1a .pdserve.v1.CloseChannelResponse\x12\x43\n\x0b\x43onnectNixl\x12\x1e.pdserve.v1.ConnectNixlRequest\x1a\x14.pdserve.v1.NixlPool\x12\x39\n\x06HoldKV\x12\x19.pdserve.v1.HoldKVRequest\x1a\x12.pdserve.v1.KVHeld0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\xbb\x01\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rkv_head_start\x18\x07 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\"\xa1\x02\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x19\n\x11lease_expiry_unix\x18\x08 \x01(\x01\x12\x18\n\x10\x63\x61pability_token\x18\t \x01(\x0c\x12\x1b\n\x0e\x66irst_token_id\x18\n \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0erank_endpoints\x18\x0b \x03(\tB\x11\n\x0f_first_token_id\"\x90\x01\n\x0e\x46\x65tchKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12-\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x08\"\'\n\x07KVChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"P\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x63\x61pability_token\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"@\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63\x61ncel_token\x18\x02 \x01(\x0c\")\n\x15\x43\x61ncelPrefillResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"M\n\x12OpenChannelRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12$\n\x06handle\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\"=\n\x13OpenChannelResponse\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\"x\n\rPushKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12-\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nchannel_id\x18\x03 \x01(\t\"K\n\x0ePushKVResponse\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x0b\n\x03tag\x18\x04 \x01(\r\")\n\x13\x43loseChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\"&\n\x14\x43loseChannelResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x7f\n\x12\x43onnectNixlRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12-\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0creader_agent\x18\x03 \x01(\t\"\xe4\x01\n\x08NixlPool\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08mem_type\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x0e\n\x06k_base\x18\x05 \x01(\x04\x12\x0e\n\x06v_base\x18\x06 \x01(\x04\x12\x14\n\x0clayer_stride\x18\x07 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x08 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\t \x01(\x04\x12\x12\n\nnum_layers\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\"z\n\rHoldKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12-\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0creader_agent\x18\x03 \x01(\t\"\x1c\n\x06KVHeld\x12\x12\n\nagent_name\x18\x01 \x01(\t\"<\n\x0cPinKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x63\x61pability_token\x18\x02 \x01(\x0c\"1\n\x08KVPinned\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"b\n\x0fImportKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x16\n\x0ereplica_secret\x18\x03 \x01(\x0c\"\"\n\x10ImportKVResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\x32\xd0\x05\n\nKVTransfer\x12<\n\x07\x46\x65tchKV\x12\x1a.pdserve.v1.FetchKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse\x12N\n\x0bOpenChannel\x12\x1e.pdserve.v1.OpenChannelRequest\x1a\x1f.pdserve.v1.OpenChannelResponse\x12?\n\x06PushKV\x12\x19.pdserve.v1.PushKVRequest\x1a\x1a.pdserve.v1.PushKVResponse\x12Q\n\x0c\x43loseChannel\x12\x1f.pdserve.v1.CloseChannelRequest\x1a .pdserve.v1.CloseChannelResponse\x12\x43\n\x0b\x43onnectNixl\x12\x1e.pdserve.v1.ConnectNixlRequest\x1a\x14.pdserve.v1.NixlPool\x12\x39\n\x06HoldKV\x12\x19.pdserve.v1.HoldKVRequest\x1a\x12.pdserve.v1.KVHeld0\x01\x12\x39\n\x05PinKV\x12\x18.pdserve.v1.PinKVRequest\x1a\x14.pdserve.v1.KVPinned0\x01\x12\x45\n\x08ImportKV\x12\x1b.pdserve.v1.ImportKVRequest\x1a\x1c.pdserve.v1.ImportKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cluster.pb.pdserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVLAYOUT']._serialized_start=44
-  _globals['_KVLAYOUT']._serialized_end=167
-  _globals['_KVHANDLE']._serialized_start=170
-  _globals['_KVHANDLE']._serialized_end=435
-  _globals['_FETCHKVREQUEST']._serialized_start=438
-  _globals['_FETCHKVREQUEST']._serialized_end=582
-  _globals['_KVCHUNK']._serialized_start=584
-  _globals['_KVCHUNK']._serialized_end=623
-  _globals['_RELEASEKVREQUEST']._serialized_start=625
-  _globals['_RELEASEKVREQUEST']._serialized_end=705
-  _globals['_RELEASEKVRESPONSE']._serialized_start=707
-  _globals['_RELEASEKVRESPONSE']._serialized_end=744
-  _globals['_CANCELPREFILLREQUEST']._serialized_start=746
-  _globals['_CANCELPREFILLREQUEST']._serialized_end=810
-  _globals['_CANCELPREFILLRESPONSE']._serialized_start=812
-  _globals['_CANCELPREFILLRESPONSE']._serialized_end=853
-  _globals['_OPENCHANNELREQUEST']._serialized_start=855
-  _globals['_OPENCHANNELREQUEST']._serialized_end=932
-  _globals['_OPENCHANNELRESPONSE']._serialized_start=934
-  _globals['_OPENCHANNELRESPONSE']._serialized_end=995
-  _globals['_PUSHKVREQUEST']._serialized_start=997
-  _globals['_PUSHKVREQUEST']._serialized_end=1117
-  _globals['_PUSHKVRESPONSE']._serialized_start=1119
-  _globals['_PUSHKVRESPONSE']._serialized_end=1194
-  _globals['_CLOSECHANNELREQUEST']._serialized_start=1196
-  _globals['_CLOSECHANNELREQUEST']._serialized_end=1237
-  _globals['_CLOSECHANNELRESPONSE']._serialized_start=1239
-  _globals['_CLOSECHANNELRESPONSE']._serialized_end=1277
-  _globals['_CONNECTNIXLREQUEST']._serialized_start=1279
-  _globals['_CONNECTNIXLREQUEST']._serialized_end=1406
-  _globals['_NIXLPOOL']._serialized_start=1409
-  _globals['_NIXLPOOL']._serialized_end=1637
-  _globals['_HOLDKVREQUEST']._serialized_start=1639
-  _globals['_HOLDKVREQUEST']._serialized_end=1761
-  _globals['_KVHELD']._serialized_start=1763
-  _globals['_KVHELD']._serialized_end=1791
-  _globals['_KVTRANSFER']._serialized_start=1794
-  _globals['_KVTRANSFER']._serialized_end=2384
+  _globals['_KVLAYOUT']._serialized_start=45
+  _globals['_KVLAYOUT']._serialized_end=232
+  _globals['_KVHANDLE']._serialized_start=235
+  _globals['_KVHANDLE']._serialized_end=524
+  _globals['_FETCHKVREQUEST']._serialized_start=527
+  _globals['_FETCHKVREQUEST']._serialized_end=671
+  _globals['_KVCHUNK']._serialized_start=673
+  _globals['_KVCHUNK']._serialized_end=712
+  _globals['_RELEASEKVREQUEST']._serialized_start=714
+  _globals['_RELEASEKVREQUEST']._serialized_end=794
+  _globals['_RELEASEKVRESPONSE']._serialized_start=796
+  _globals['_RELEASEKVRESPONSE']._serialized_end=833
+  _globals['_CANCELPREFILLREQUEST']._serialized_start=835
+  _globals['_CANCELPREFILLREQUEST']._serialized_end=899
+  _globals['_CANCELPREFILLRESPONSE']._serialized_start=901
+  _globals['_CANCELPREFILLRESPONSE']._serialized_end=942
+  _globals['_OPENCHANNELREQUEST']._serialized_start=944
+  _globals['_OPENCHANNELREQUEST']._serialized_end=1021
+  _globals['_OPENCHANNELRESPONSE']._serialized_start=1023
+  _globals['_OPENCHANNELRESPONSE']._serialized_end=1084
+  _globals['_PUSHKVREQUEST']._serialized_start=1086
+  _globals['_PUSHKVREQUEST']._serialized_end=1206
+  _globals['_PUSHKVRESPONSE']._serialized_start=1208
+  _globals['_PUSHKVRESPONSE']._serialized_end=1283
+  _globals['_CLOSECHANNELREQUEST']._serialized_start=1285
+  _globals['_CLOSECHANNELREQUEST']._serialized_end=1326
+  _globals['_CLOSECHANNELRESPONSE']._serialized_start=1328
+  _globals['_CLOSECHANNELRESPONSE']._serialized_end=1366
+  _globals['_CONNECTNIXLREQUEST']._serialized_start=1368
+  _globals['_CONNECTNIXLREQUEST']._serialized_end=1495
+  _globals['_NIXLPOOL']._serialized_start=1498
+  _globals['_NIXLPOOL']._serialized_end=1726
+  _globals['_HOLDKVREQUEST']._serialized_start=1728
+  _globals['_HOLDKVREQUEST']._serialized_end=1850
+  _globals['_KVHELD']._serialized_start=1852
+  _globals['_KVHELD']._serialized_end=1880
+  _globals['_PINKVREQUEST']._serialized_start=1882
+  _globals['_PINKVREQUEST']._serialized_end=1942
+  _globals['_KVPINNED']._serialized_start=1944
+  _globals['_KVPINNED']._serialized_end=1993
+  _globals['_IMPORTKVREQUEST']._serialized_start=1995
+  _globals['_IMPORTKVREQUEST']._serialized_end=2093
+  _globals['_IMPORTKVRESPONSE']._serialized_start=2095
+  _globals['_IMPORTKVRESPONSE']._serialized_end=2129
+  _globals['_KVTRANSFER']._serialized_start=2132
+  _globals['_KVTRANSFER']._serialized_end=2852
 # @@protoc_insertion_point(module_scope)

@@ -7,23 +7,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+    __slots__ = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "kv_head_start", "total_kv_heads", "tp_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    kv_head_start: int
+    total_kv_heads: int
+    tp_size: int
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "endpoint", "transport", "block_ids", "block_size", "layout", "lease_expiry_unix", "capability_token", "first_token_id")
+    __slots__ = ("request_id", "num_tokens", "endpoint", "transport", "block_ids", "block_size", "layout", "lease_expiry_unix", "capability_token", "first_token_id", "rank_endpoints")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +40,7 @@ class KVHandle(_message.Message):
     LEASE_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     endpoint: str
@@ -44,7 +51,8 @@ class KVHandle(_message.Message):
     lease_expiry_unix: float
     capability_token: bytes
     first_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expiry_unix: _Optional[float] = ..., capability_token: _Optional[bytes] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    rank_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expiry_unix: _Optional[float] = ..., capability_token: _Optional[bytes] = ..., first_token_id: _Optional[int] = ..., rank_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
     __slots__ = ("handle", "receiver_layout", "max_chunk_bytes", "checksum")
@@ -197,3 +205,35 @@ class KVHeld(_message.Message):
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     def __init__(self, agent_name: _Optional[str] = ...) -> None: ...
+
+class PinKVRequest(_message.Message):
+    __slots__ = ("request_id", "capability_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    capability_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., capability_token: _Optional[bytes] = ...) -> None: ...
+
+class KVPinned(_message.Message):
+    __slots__ = ("block_ids", "num_tokens")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ImportKVRequest(_message.Message):
+    __slots__ = ("handle", "block_ids", "replica_secret")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SECRET_FIELD_NUMBER: _ClassVar[int]
+    handle: KVHandle
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    replica_secret: bytes
+    def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., replica_secret: _Optional[bytes] = ...) -> None: ...
+
+class ImportKVResponse(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...

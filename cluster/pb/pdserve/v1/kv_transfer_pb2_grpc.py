@@ -75,6 +75,16 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.HoldKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.KVHeld.FromString,
                 _registered_method=True)
+        self.PinKV = channel.unary_stream(
+                '/pdserve.v1.KVTransfer/PinKV',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.PinKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.KVPinned.FromString,
+                _registered_method=True)
+        self.ImportKV = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/ImportKV',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.ImportKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.ImportKVResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -172,6 +182,27 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinKV(self, request, context):
+        """Pins a lease for as long as the call stays open (at most the server's channel timeout),
+        whatever the transport: the KV server of a prefill replica's tensor-parallel rank 1..
+        holds the lease pinned on rank 0 (which owns the leases) through it while it reads its
+        own heads of the lease. The token is checked as for `FetchKV` (UNAUTHENTICATED; NOT_FOUND
+        for a lease that ended); one `KVPinned` is sent once the lease is pinned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKV(self, request, context):
+        """Served by the KV server of a decode replica's tensor-parallel rank 1.., for its rank 0
+        only (`replica_secret`): fetch this rank's KV heads of `handle` from the prefill ranks
+        that hold them into `block_ids` of this rank's pool (reserved by rank 0). Returns once
+        nothing writes those blocks any more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +245,16 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.HoldKV,
                     request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.HoldKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.KVHeld.SerializeToString,
+            ),
+            'PinKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.PinKV,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.PinKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.KVPinned.SerializeToString,
+            ),
+            'ImportKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportKV,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.ImportKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.ImportKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -433,6 +474,60 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/HoldKV',
             pdserve_dot_v1_dot_kv__transfer__pb2.HoldKVRequest.SerializeToString,
             pdserve_dot_v1_dot_kv__transfer__pb2.KVHeld.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/PinKV',
+            pdserve_dot_v1_dot_kv__transfer__pb2.PinKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.KVPinned.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/ImportKV',
+            pdserve_dot_v1_dot_kv__transfer__pb2.ImportKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.ImportKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -75,6 +75,8 @@ class AsyncEngine:
         self.step_count = 0
         self.step_cpu_s = 0.0  # the engine thread's CPU time inside `Engine.step`
         self.fault: BaseException | None = None  # what failed the engine (set once)
+        # Called on the engine thread once the engine failed and its streams were failed.
+        self.on_fault: Callable[[BaseException], None] | None = None
 
     def start(self) -> None:
         """Start the engine and output threads; call from the event loop that will consume
@@ -370,6 +372,8 @@ class AsyncEngine:
         self.fault = exc
         ids = [rid for rid in list(self.engine.seqs) if self.engine.abort(rid)]
         self._deliver(_Failed(Unavailable(f"the engine of this replica failed: {exc!r}"), ids))
+        if self.on_fault is not None:
+            self.on_fault(exc)
 
     def _fail_streams(self, exc: BaseException) -> None:
         for q in self._streams.values():

@@ -104,6 +104,10 @@ class TPReplica:
                 log.warning("could not tell the TP followers to stop", exc_info=True)
         self._reap(self.timeout_s)
 
+    def kill(self) -> None:
+        """Terminate the followers at once (the group is broken: no stop message)."""
+        self._reap(0.0)
+
     def _reap(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for p in self.followers:

@@ -40,6 +40,9 @@ log = logging.getLogger("ray.serve." + __name__)
 # engine by at most about one sample (plus the engine step that sample waits for). Unchanged
 # figures are pushed again every REPORT_INTERVAL_S, so no registry entry is older than that.
 SAMPLE_INTERVAL_S = 0.2
+# A replica whose engine failed exits this long after the failure is seen, with this status.
+FAILED_EXIT_DELAY_S = 0.05
+EXIT_ENGINE_FAILED = 70
 # The engine's figures a `ReplicaStats` carries: each one both hold, so a figure added to both
 # reaches the registry (and `pool_load.LoadSignals.of`) with no change here.
 _ENGINE_FIGURES = tuple(
@@ -90,6 +93,8 @@ class EngineReplica:
                 engine = self._build_engine(engine_config)
                 separate = pool_config.output_thread_on(str(engine.device))
                 self.engine = AsyncEngine(engine, output_thread=separate)
+                if _in_actor():
+                    self.engine.on_fault = self._exit_failed
                 self.engine.start_engine_thread()
             self.engine.start()
         except BaseException:
@@ -172,6 +177,19 @@ class EngineReplica:
                 log.exception("stats report failed")
             await asyncio.sleep(max(0.0, began + SAMPLE_INTERVAL_S - time.monotonic()))
 
+    def _exit_failed(self, fault: BaseException) -> None:
+        """Engine thread, once the engine failed (a forward pass raised; at TP > 1, also a rank
+        that died) and its streams were failed: end this replica's process now rather than at
+        the next health check. Routers then find it dead on their next call and drop it (as
+        for any replica that died), instead of retrying requests into an engine that refuses
+        them; the streams it was serving migrate as from a killed replica; Serve starts its
+        replacement sooner."""
+        log.error("engine failed (%r): this replica exits; Serve replaces it", fault)
+        time.sleep(FAILED_EXIT_DELAY_S)  # the output thread may still send the streams' ends
+        if self.tp is not None:
+            self.tp.kill()
+        os._exit(EXIT_ENGINE_FAILED)
+
     async def _log_stats(self) -> None:
         """Write the stats line (stats_line.py) of the interval that just ended, if it is one
         to write."""
@@ -214,3 +232,10 @@ class EngineReplica:
         if self.tp is not None:
             await asyncio.to_thread(self.tp.close)
         self.metrics.flush()  # the values batched on the loop
+
+
+def _in_actor() -> bool:
+    """Whether this process is a Ray actor's (a served replica), not a test's or a driver's."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None

@@ -29,7 +29,7 @@ import grpc
 import torch
 
 from cluster.engine.kv_cache import KVCache, KVExport, KVLayout
-from cluster.errors import FailedPrecondition
+from cluster.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from cluster.kv_transfer.base import KVClient, settle
 from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 from cluster.kv_transfer.kv_handle import KVHandle
@@ -158,6 +158,12 @@ class ShardedKVClient(KVClient):
             stub = self.slices.stubs.stub(endpoint)
             response = await stub.ImportKV(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded(f"ImportKV on rank {endpoint}: {details}") from None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                # This replica's own rank is gone: the replica fails, the request goes elsewhere.
+                raise Unavailable(f"ImportKV on rank {endpoint}: {code.name} {details}") from None
             raise rpc_error(exc, handle) from None
         return response.nbytes
 

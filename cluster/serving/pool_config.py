@@ -32,8 +32,11 @@ def check_tp_split(model, prefill_tp: int, decode_tp: int) -> None:
     from cluster.model.info import describe_model
     from cluster.model.parallel.shard import TPShard
 
+    sizes = {prefill_tp, decode_tp} - {1}
+    if not sizes:
+        return
     spec = describe_model(model).spec
-    for k in {prefill_tp, decode_tp} - {1}:
+    for k in sorted(sizes):
         try:
             TPShard.of(spec, 0, k)
         except InvalidArgument as e:

@@ -41,8 +41,10 @@ def test_a_size_the_config_refuses_is_a_usage_error(size, capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_disaggregated_with_tp_is_refused_naming_both_pools():
-    with pytest.raises(InvalidArgument, match="prefill 2, decode 2.*colocated"):
-        config("--tensor-parallel-size", "2")
-    with pytest.raises(InvalidArgument, match="prefill 1, decode 2"):
-        config("--decode-tensor-parallel-size", "2")
+def test_disaggregated_takes_tp_up_to_4_and_refuses_8_naming_both_pools():
+    c = config("--tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1")
+    assert (c.prefill.tensor_parallel_size, c.decode.tensor_parallel_size) == (2, 1)
+    with pytest.raises(InvalidArgument, match="prefill 8, decode 8: KV moves between TP sizes"):
+        config("--tensor-parallel-size", "8")
+    with pytest.raises(InvalidArgument, match="prefill 1, decode 8"):
+        config("--decode-tensor-parallel-size", "8")

@@ -8,6 +8,8 @@ from contextlib import aclosing
 
 from cluster.errors import InvalidArgument, NotFound
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.planner.split_decision import SplitDecision
+from cluster.planner.split_planner import PlannerState
 from cluster.request import Request
 from router.generation_chunk import GenerationChunk
 from router.generation_service import GenerationService, ServedModel
@@ -157,4 +159,34 @@ def stats_to_proto(stats: ClusterStats) -> pb.ClusterStats:
             for s in stats.replicas
         ],
         kv_transport=stats.kv_transport,
+        ratio_policy=ratio_policy_to_proto(stats.ratio_policy),
+    )
+
+
+def ratio_policy_to_proto(state: PlannerState | None) -> pb.RatioPolicyStatus | None:
+    """The ratio policy's state as `GetStats` reports it; None (unset) without the policy."""
+    if state is None:
+        return None
+
+    def split(d: SplitDecision, at: float = 0.0) -> pb.SplitDecision:
+        return pb.SplitDecision(
+            prefill_replicas=d.prefill_replicas,
+            decode_replicas=d.decode_replicas,
+            mean_input_tokens=d.mean_input,
+            mean_output_tokens=d.mean_output,
+            rate_rps=d.rate_rps,
+            goodput_rps=d.goodput_rps,
+            attainment=d.attainment,
+            decided_at=at,
+        )
+
+    current = None
+    if state.decision is not None:
+        at = max((t for t, d in state.history if d.split == state.decision.split), default=0.0)
+        current = split(state.decision, at)
+    return pb.RatioPolicyStatus(
+        current=current,
+        reason=state.reason,
+        history=[split(d, t) for t, d in state.history],
+        updated_at=state.updated_at,
     )

@@ -32,6 +32,7 @@ from cluster.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted,
 from cluster.kv_transfer.capability import Capability
 from cluster.kv_transfer.kv_control import KVControl
 from cluster.model.info import ModelInfo
+from cluster.planner.split_planner import planner_state
 from cluster.request import MAX_STREAM_INTERVAL, Request, check_request_id
 from cluster.sampling_params import SamplingParams
 from cluster.serving.app_config import AppConfig
@@ -359,7 +360,8 @@ class Orchestrator:
     async def stats(self) -> ClusterStats:
         replicas = await self._replicas()
         pools = await pool_statuses(self.config, self.app_name, replicas)
-        return ClusterStats(tuple(pools), tuple(replicas), kv_transport(self.config))
+        ratio = await planner_state(self.app_name) if self.config.autoscaling.ratio_policy else None
+        return ClusterStats(tuple(pools), tuple(replicas), kv_transport(self.config), ratio)
 
 
 def _fields(params: SamplingParams) -> dict:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import ray
 
+from cluster.planner.split_planner import PlannerState
 from cluster.serving.app_config import AppConfig, DeploymentConfig
 from cluster.serving.autoscaling import SERVE_SIGNAL
 from cluster.serving.pool_load import pool_load
@@ -41,6 +42,7 @@ class ClusterStats:
     pools: tuple[PoolStatus, ...]
     replicas: tuple[ReplicaStats, ...]
     kv_transport: str = ""  # how KV moves between the pools; "" when colocated
+    ratio_policy: PlannerState | None = None  # with `autoscaling.ratio_policy` on
 
 
 def kv_transport(config: AppConfig) -> str:

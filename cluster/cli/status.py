@@ -2,8 +2,8 @@
 engine replicas (device and dtype as each decided them, tensor parallel size, KV blocks,
 sequences, queued prompt tokens, tokens generated; "loading" while one's engine starts, a hub
 model downloading into its node's cache) and its router replicas (their direct gRPC
-endpoints), as three tables or, with `--json`, as one JSON object; `--watch` refreshes until
-Ctrl-C."""
+endpoints), as three tables, and the ratio policy's split and its latest changes when the
+app runs one; or, with `--json`, as one JSON object; `--watch` refreshes until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -170,12 +170,46 @@ def render(snapshot: Snapshot) -> list[str]:
         if r.pool != ROUTER_POOL
     ]
     lines += [""] + _table(header, rows)
+    if stats.HasField("ratio_policy"):
+        lines += [""] + ratio_policy_lines(stats.ratio_policy)
     routers = [
         (r.replica_id, r.grpc_endpoint or "off") for r in stats.replicas if r.pool == ROUTER_POOL
     ]
     if routers:
         lines += [""] + _table(("router", "direct grpc endpoint"), routers)
     return lines
+
+
+def ratio_policy_lines(status: pb.RatioPolicyStatus) -> list[str]:
+    """The ratio policy's split now (or why the pools scale on their own signals), then its
+    latest changes, each with the mix it was simulated on and the goodput it predicts."""
+    if status.HasField("current"):
+        d = status.current
+        head = [
+            f"ratio policy: {_split(d)} for prompts ~{d.mean_input_tokens} and outputs "
+            f"~{d.mean_output_tokens} tokens at {d.rate_rps:.2f} req/s, predicted goodput "
+            f"{d.goodput_rps:.2f} req/s ({d.attainment:.0%} within the SLOs)"
+        ]
+    else:
+        head = [f"ratio policy: no split, {status.reason}"]
+    rows = [
+        (
+            datetime.fromtimestamp(d.decided_at, UTC).astimezone().strftime("%H:%M:%S"),
+            _split(d),
+            d.mean_input_tokens,
+            d.mean_output_tokens,
+            f"{d.rate_rps:.2f}",
+            f"{d.goodput_rps:.2f}",
+            f"{d.attainment:.0%}",
+        )
+        for d in status.history
+    ]
+    header = ("decided", "split", "prompt", "output", "req/s", "goodput", "attainment")
+    return head + (_table(header, rows) if rows else [])
+
+
+def _split(d: pb.SplitDecision) -> str:
+    return f"{d.prefill_replicas}P:{d.decode_replicas}D"
 
 
 def _watch_header(snapshot: Snapshot, every_s: float, out: TextIO) -> str:

@@ -6,7 +6,10 @@ a cluster shape (prefill, decode or colocated replicas, each an `EngineSim` with
 scheduling rules: token budget, `max_num_seqs`, KV blocks, prefix cache) as discrete events,
 deterministic for a seed, and reports each request's TTFT, inter-token latencies and phases,
 goodput and SLO attainment. `plan` searches the splits of N replicas and writes the chosen
-shape as a Serve config (`serve_config`). It never imports torch or engine code.
+shape as a Serve config (`serve_config`). At run time, opt-in, the ratio policy keeps the
+split right as the mix shifts: `SplitPlanner` (a Ray actor per app) decides from the pools'
+observed mix (`mix_window`, `split_decision`) and both pools' `SplitPolicy` follow it. It never
+imports torch or engine code.
 
 May import: the `cluster` root modules and `cluster.client` (workloads, the load generator).
 """

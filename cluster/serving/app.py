@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.config import ModelConfig
 from cluster.serving.app_config import AppConfig, DeploymentConfig
+from cluster.serving.autoscaling import ratio_serve_policy
 from cluster.serving.gpu_placement import place_gpus
 from cluster.serving.hub_env import hub_env_vars
 
@@ -112,9 +113,31 @@ def compose_app(config: AppConfig, role_classes: Mapping[str, str] | None = None
     if config.mode == "colocated":
         colocated = _deployment("Colocated", roles["Colocated"], config.decode, env).bind(config)
         return router.bind(config, None, None, colocated)
-    prefill = _deployment("Prefill", roles["Prefill"], config.prefill, env).bind(config)
-    decode = _deployment("Decode", roles["Decode"], config.decode, env).bind(config)
+    prefill = _deployment(
+        "Prefill", roles["Prefill"], config.prefill, env, ratio_policy(config, "prefill")
+    ).bind(config)
+    decode = _deployment(
+        "Decode", roles["Decode"], config.decode, env, ratio_policy(config, "decode")
+    ).bind(config)
     return router.bind(config, prefill, decode, None)
+
+
+def ratio_policy(config: AppConfig, pool: str) -> dict[str, Any] | None:
+    """The Serve autoscaling `policy` of engine pool `pool` under `autoscaling.ratio_policy`
+    (`autoscaling.ratio_serve_policy`); None without it (the pool's own policy)."""
+    ratio = config.autoscaling.ratio_policy
+    settings = config.pool(pool).autoscaling
+    if ratio is None or settings is None or pool not in ("prefill", "decode"):
+        return None
+    from cluster.serving.stats_registry import registry_name
+
+    bounds = {}
+    for name in ("prefill", "decode"):
+        scaling = config.pool(name).autoscaling
+        assert scaling is not None  # AppConfig checks both pools autoscale
+        bounds[name] = (scaling.min_replicas, scaling.max_replicas)
+    own = settings.serve_config()["policy"]
+    return ratio_serve_policy(ratio, pool, own, bounds, config.name, registry_name(config.name))
 
 
 def config_from_args(args: Mapping[str, Any] | None) -> AppConfig:
@@ -139,17 +162,20 @@ def deployment_pools(config: AppConfig) -> dict[str, str]:
 
 
 def deployment_options(
-    name: str, pool: DeploymentConfig, env: Mapping[str, str] | None = None
+    name: str,
+    pool: DeploymentConfig,
+    env: Mapping[str, str] | None = None,
+    policy: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The options of `serve.deployment` for deployment `name`, all derived from its pool:
     size or autoscaling, Ray resources and placement (a placement group per replica at tensor
     parallel size > 1, `PoolConfig.serve_placement`), request limits, request router; `env`
-    joins the replicas' env vars (a hub model's, `hub_env.hub_env_vars`)."""
-    size = (
-        {"autoscaling_config": pool.autoscaling.serve_config()}
-        if pool.autoscaling is not None
-        else {"num_replicas": pool.replicas}
-    )
+    joins the replicas' env vars (a hub model's, `hub_env.hub_env_vars`); `policy` replaces
+    the pool's autoscaling policy (`ratio_policy`)."""
+    size: dict[str, Any] = {"num_replicas": pool.replicas}
+    if pool.autoscaling is not None:
+        scaling = pool.autoscaling.serve_config()
+        size = {"autoscaling_config": {**scaling, "policy": policy or scaling["policy"]}}
     env_vars = {**(ROUTER_ENV_VARS if name == "Router" else REPLICA_ENV_VARS), **(env or {})}
     actor = {**pool.actor_options(), "runtime_env": {"env_vars": env_vars}}
     routing = {}
@@ -200,7 +226,8 @@ def override_conflicts(config: AppConfig, deployments: list[Mapping[str, Any]]) 
         if name not in pools:
             problems.append(f"deployments: no deployment {name!r} in this app {list(pools)}")
             continue
-        built = deployment_options(name, config.pool(pools[name]))
+        pool = pools[name]
+        built = deployment_options(name, config.pool(pool), None, ratio_policy(config, pool))
         for option in (o for o in POOL_OPTIONS if o in entry):
             mine, theirs = entry[option], built.get(option)
             if option == "ray_actor_options":
@@ -225,12 +252,18 @@ def _ray_resources(actor_options: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _deployment(name: str, import_path: str, pool: DeploymentConfig, env: Mapping[str, str]):
+def _deployment(
+    name: str,
+    import_path: str,
+    pool: DeploymentConfig,
+    env: Mapping[str, str],
+    policy: dict[str, Any] | None = None,
+):
     from ray import serve
 
     module, _, attr = import_path.partition(":")
     cls = getattr(importlib.import_module(module), attr)
-    return serve.deployment(cls, name=name, **deployment_options(name, pool, env))
+    return serve.deployment(cls, name=name, **deployment_options(name, pool, env, policy))
 
 
 def default_config(model_path: str | None = None, **overrides: Any) -> AppConfig:

@@ -28,7 +28,12 @@ from cluster.config import (
 from cluster.kv_transfer import registry
 from cluster.request import MAX_STREAM_INTERVAL
 from cluster.serving.api_keys import ClientAuth
-from cluster.serving.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, ROUTER_TARGETS
+from cluster.serving.autoscaling import (
+    DECODE_TARGETS,
+    PREFILL_TARGETS,
+    ROUTER_TARGETS,
+    AppAutoscaling,
+)
 from cluster.serving.config_docs import describe_fields
 
 # The pools' configs live in pool_config.py; importing them from here keeps working.
@@ -142,6 +147,8 @@ class AppConfig:
     max_retries: int = 2
     # Resumes of a generation on another replica after its hop failed mid-stream (migration).
     max_migrations: int = 3
+    # Autoscaling across pools (the ratio policy); each pool's own is under the pool.
+    autoscaling: AppAutoscaling = field(default_factory=AppAutoscaling)
     name: str = "pdserve"
 
     def __post_init__(self) -> None:
@@ -178,6 +185,9 @@ class AppConfig:
             and not device.startswith(("cuda", "auto"))
         ):
             raise ConfigError(f"transport {transport} moves KV between GPUs: it needs device cuda")
+        if self.autoscaling.ratio_policy is not None:
+            ratio = self.autoscaling.ratio_policy
+            ratio.check_pools(self.mode, self.prefill.autoscaling, self.decode.autoscaling)
         if self.router.autoscaling is not None:
             engine_only = sorted({s for s, _ in self.router.autoscaling.targets} - {"requests"})
             if engine_only:
@@ -211,6 +221,9 @@ class AppConfig:
         if not config.transfer.secret:
             secret = secrets.token_hex(32)
             config = replace(config, transfer=replace(config.transfer, secret=secret))
+        if config.autoscaling.ratio_policy is not None:
+            ratio = config.autoscaling.ratio_policy.resolved()
+            config = replace(config, autoscaling=AppAutoscaling(ratio_policy=ratio))
         return replace(
             config,
             router=config.router.with_default_targets(ROUTER_TARGETS).with_keys_loaded(),

@@ -10,12 +10,19 @@ running in the Serve controller, turns the pool's summed load into a replica cou
 The signals are the fields of `pool_load.LoadSignals`, their one home. Prefill scales on queued
 prompt tokens; decode on running sequences and KV cache usage. Serve
 then applies min/max bounds and the up/down delays around the policy.
+
+Opt-in, `RatioPolicySettings` (`AppConfig.autoscaling.ratio_policy`) sizes the prefill and decode
+pools together instead: each pool's policy becomes `cluster.planner.split_policy:SplitPolicy`,
+which follows one shared split of `total_replicas` that the planner simulates from the observed
+mix (docs/planner.md), and asks the pool's own `PoolLoadPolicy` (`ratio_serve_policy`'s
+fallback) whenever that split is not known.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 from pydantic import with_config
@@ -24,6 +31,8 @@ from cluster.config import DICT_FORM, ConfigError, NamedNumbers
 from cluster.serving.pool_load import SIGNAL_NAMES
 
 POLICY_PATH = "cluster.serving.autoscaling:PoolLoadPolicy"
+# Named by import path: the planner plane is loaded by Serve's controller, never imported here.
+RATIO_POLICY_PATH = "cluster.planner.split_policy:SplitPolicy"
 # The load signals a target may name: the fields of `pool_load.LoadSignals`, what every engine
 # replica reports (`EngineReplica.record_autoscaling_stats`), and "requests", Serve's own count
 # of a replica's ongoing and queued requests (the only one a router replica has).
@@ -80,6 +89,109 @@ class AutoscalingSettings:
         if self.initial_replicas is not None:
             config["initial_replicas"] = self.initial_replicas
         return config
+
+
+@with_config(DICT_FORM)
+@dataclass(frozen=True)
+class RatioPolicySettings:
+    """The run-time ratio policy: every `interval_s` the planner simulates the mix the pools
+    served over the last `window_s` seconds (mean prompt and output lengths, arrival rate) on
+    each split of `total_replicas` engine replicas the pools' bounds allow, with `profile`'s
+    step times and these SLOs, and both pools follow the best split. With fewer than
+    `min_requests` requests in the window, or no usable profile, each pool scales on its own
+    signals (`PoolLoadPolicy`). `sim_requests`: the synthetic mix's size (the decision's
+    cost)."""
+
+    profile: str
+    total_replicas: int
+    slo_ttft_ms: float
+    slo_itl_ms: float
+    interval_s: float = 10.0
+    window_s: float = 30.0
+    min_requests: int = 8
+    sim_requests: int = 48
+
+    def __post_init__(self) -> None:
+        if not self.profile:
+            raise ConfigError("profile: the path of a planner profile JSON file")
+        if self.total_replicas < 2:
+            raise ConfigError("total_replicas must be >= 2 (one replica a pool)")
+        if not (self.slo_ttft_ms > 0 and self.slo_itl_ms > 0):
+            raise ConfigError("slo_ttft_ms and slo_itl_ms must be > 0")
+        if not (self.interval_s > 0 and self.window_s >= self.interval_s):
+            raise ConfigError("need interval_s > 0 and window_s >= interval_s")
+        if self.min_requests < 1 or not 1 <= self.sim_requests <= 1000:
+            raise ConfigError("need min_requests >= 1 and sim_requests in 1..1000")
+
+    def check_pools(
+        self, mode: str, prefill: AutoscalingSettings | None, decode: AutoscalingSettings | None
+    ) -> None:
+        """The cross-pool contract, checked once by `AppConfig`: a disaggregated app whose two
+        pools autoscale, with bounds some split of `total_replicas` fits."""
+        if mode != "disaggregated":
+            raise ConfigError("autoscaling.ratio_policy splits a disaggregated app's pools")
+        if prefill is None or decode is None:
+            raise ConfigError(
+                "autoscaling.ratio_policy needs prefill.autoscaling and decode.autoscaling "
+                "(their bounds, delays and the signals it falls back to)"
+            )
+        low = max(prefill.min_replicas, 1) + max(decode.min_replicas, 1)
+        high = prefill.max_replicas + decode.max_replicas
+        if not low <= self.total_replicas <= high:
+            raise ConfigError(
+                f"autoscaling.ratio_policy.total_replicas is {self.total_replicas}: the pools' "
+                f"bounds split {low}..{high} replicas (prefill {prefill.min_replicas}.."
+                f"{prefill.max_replicas}, decode {decode.min_replicas}..{decode.max_replicas})"
+            )
+
+    def resolved(self) -> RatioPolicySettings:
+        """The profile's path made absolute (Serve's controller has another working directory);
+        a missing file is refused when the app is built."""
+        path = os.path.abspath(os.path.expanduser(self.profile))
+        if not os.path.isfile(path):
+            raise ConfigError(f"autoscaling.ratio_policy.profile: no file {path}")
+        return replace(self, profile=path)
+
+
+@with_config(DICT_FORM)
+@dataclass(frozen=True)
+class AppAutoscaling:
+    """Autoscaling across pools (each pool's own is its `autoscaling`)."""
+
+    ratio_policy: RatioPolicySettings | None = None
+
+
+def ratio_serve_policy(
+    ratio: RatioPolicySettings,
+    pool: str,
+    pool_policy: dict[str, Any],
+    bounds: dict[str, tuple[int, int]],
+    app_name: str,
+    registry: tuple[str, str],
+) -> dict[str, Any]:
+    """The Serve `policy` of `pool` ("prefill" or "decode") under the ratio policy:
+    `SplitPolicy`, falling back to `pool_policy` (the pool's own), fed by the planner actor of
+    `app_name`, which polls the stats registry actor `registry` (name, namespace); `bounds`:
+    each pool's (min, max) replicas."""
+    planner = {
+        "app_name": app_name,
+        "registry_name": registry[0],
+        "registry_namespace": registry[1],
+        "profile": ratio.profile,
+        "total_replicas": ratio.total_replicas,
+        "prefill_bounds": list(bounds["prefill"]),
+        "decode_bounds": list(bounds["decode"]),
+        "slo_ttft_s": ratio.slo_ttft_ms / 1e3,
+        "slo_itl_s": ratio.slo_itl_ms / 1e3,
+        "interval_s": ratio.interval_s,
+        "window_s": ratio.window_s,
+        "min_requests": ratio.min_requests,
+        "sim_requests": ratio.sim_requests,
+    }
+    return {
+        "policy_function": RATIO_POLICY_PATH,
+        "policy_kwargs": {"pool": pool, "fallback": pool_policy, "planner": planner},
+    }
 
 
 PREFILL_TARGETS = (("queued_prompt_tokens", 2048.0),)

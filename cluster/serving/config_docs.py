@@ -38,6 +38,8 @@ FIELD_DOCS: dict[str, dict[str, str]] = {
         "says (1: each token at once).",
         "request_timeout_seconds": "A request's deadline; past it DEADLINE_EXCEEDED / 504.",
         "max_retries": "Retries of a hop that failed UNAVAILABLE before any token was decoded.",
+        "autoscaling": "Autoscaling across pools: the ratio policy that splits a replica budget "
+        "between prefill and decode (each pool's own autoscaling is under the pool).",
         "max_migrations": "Resumes of a generation on another replica after a hop failed "
         "mid-stream.",
         "name": "The Serve application's name.",
@@ -129,6 +131,22 @@ FIELD_DOCS: dict[str, dict[str, str]] = {
         "this long unused.",
         "secret": 'HMAC key of the KV capability tokens, hex; "" = one made per application.',
         "checksum": "Checksum every gRPC KV chunk (sender computes, receiver checks).",
+    },
+    "AppAutoscaling": {
+        "ratio_policy": "Size prefill and decode together: the split of total_replicas the "
+        "planner predicts best for the observed mix; none = each pool on its own signals.",
+    },
+    "RatioPolicySettings": {
+        "profile": "Path of the planner profile JSON the split is simulated with (pdserve "
+        "profile; recorded ones in cluster/planner/profiles/).",
+        "total_replicas": "Engine replicas to split between the prefill and decode pools.",
+        "slo_ttft_ms": "Time-to-first-token SLO the split is chosen for, in ms.",
+        "slo_itl_ms": "Inter-token latency (TPOT) SLO the split is chosen for, in ms.",
+        "interval_s": "Seconds between decisions.",
+        "window_s": "The observed mix and arrival rate are those of this many last seconds.",
+        "min_requests": "Fewer requests in the window: no decision, each pool scales on its "
+        "own signals.",
+        "sim_requests": "Requests in the synthetic mix simulated per split (a decision's cost).",
     },
     "AutoscalingSettings": {
         "min_replicas": "Fewest replicas (0 lets the pool scale to zero).",

@@ -61,11 +61,12 @@ class ReplicaStats:
     expired); `kv_endpoint`, on prefill replicas: the KV server's "host:port" (where a router
     sends `CancelPrefill`); `device` and `dtype`: where and in what the replica's engine runs,
     as it decided them ("auto" is decided by each replica, `replica_device`);
-    `tensor_parallel_size`: the ranks its engine spans (0 on router replicas). A router replica
-    reports itself too (pool "router", every figure 0, no device): `grpc_endpoint` is where it
-    serves `pdserve.v1.Generation` without Serve's proxy. `state`: READY, or LOADING while the
-    replica's engine starts (a hub model downloading into the node's cache, the weights
-    loading; every figure 0, `loading_report.LoadingReport`)."""
+    `tensor_parallel_size`: the ranks its engine spans (0 on router replicas); `prompt_tokens`:
+    the tokens of the prompts it prefilled so far (prefill replicas; the ratio policy's mix). A
+    router replica reports itself too (pool "router", every figure 0, no device):
+    `grpc_endpoint` is where it serves `pdserve.v1.Generation` without Serve's proxy. `state`:
+    READY, or LOADING while the replica's engine starts (a hub model downloading into the
+    node's cache, the weights loading; every figure 0, `loading_report.LoadingReport`)."""
 
     pool: str
     replica_id: str
@@ -85,3 +86,4 @@ class ReplicaStats:
     dtype: str = ""
     tensor_parallel_size: int = 0
     state: str = "ready"  # READY or LOADING
+    prompt_tokens: int = 0

@@ -135,12 +135,15 @@ class EngineReplica:
         return make_rank_service(transfer, resolve_host(transfer.host), self.replica_secret)
 
     async def stats(self) -> ReplicaStats:
-        s = await self.engine.call(lambda e: e.stats())
+        # prompt_tokens: `MeteredEngine`'s count (0 from an engine that does not meter)
+        s, prompt_tokens = await self.engine.call(
+            lambda e: (e.stats(), getattr(e, "prompt_tokens", 0))
+        )
         figures = {n: getattr(s, n) for n in _ENGINE_FIGURES}
         return ReplicaStats(
             self.pool, self.replica_id, **figures, updated_at=time.time(),
             device=self.device, dtype=self.dtype,
-            tensor_parallel_size=self.tensor_parallel_size,
+            tensor_parallel_size=self.tensor_parallel_size, prompt_tokens=prompt_tokens,
         )  # fmt: skip
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -45,11 +45,17 @@ class StatsRegistry:
         return sorted(self.entries.values(), key=lambda s: (s.pool, s.replica_id))
 
 
+def registry_name(app_name: str) -> tuple[str, str]:
+    """The application's registry actor's (name, namespace)."""
+    return f"pdserve-stats-{app_name}", "pdserve"
+
+
 def registry(app_name: str):
     """The application's registry actor, created by whoever asks first."""
+    name, namespace = registry_name(app_name)
     return StatsRegistry.options(
-        name=f"pdserve-stats-{app_name}",
-        namespace="pdserve",
+        name=name,
+        namespace=namespace,
         get_if_exists=True,
         lifetime="detached",
         resources={HEAD_NODE_RESOURCE: 0.001},

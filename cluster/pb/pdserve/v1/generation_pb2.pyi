@@ -173,14 +173,48 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("replicas", "pools", "kv_transport")
+    __slots__ = ("replicas", "pools", "kv_transport", "ratio_policy")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    RATIO_POLICY_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     kv_transport: str
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    ratio_policy: RatioPolicyStatus
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_transport: _Optional[str] = ..., ratio_policy: _Optional[_Union[RatioPolicyStatus, _Mapping]] = ...) -> None: ...
+
+class RatioPolicyStatus(_message.Message):
+    __slots__ = ("current", "reason", "history", "updated_at")
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    current: SplitDecision
+    reason: str
+    history: _containers.RepeatedCompositeFieldContainer[SplitDecision]
+    updated_at: float
+    def __init__(self, current: _Optional[_Union[SplitDecision, _Mapping]] = ..., reason: _Optional[str] = ..., history: _Optional[_Iterable[_Union[SplitDecision, _Mapping]]] = ..., updated_at: _Optional[float] = ...) -> None: ...
+
+class SplitDecision(_message.Message):
+    __slots__ = ("prefill_replicas", "decode_replicas", "mean_input_tokens", "mean_output_tokens", "rate_rps", "goodput_rps", "attainment", "decided_at")
+    PREFILL_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RATE_RPS_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_RPS_FIELD_NUMBER: _ClassVar[int]
+    ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    prefill_replicas: int
+    decode_replicas: int
+    mean_input_tokens: int
+    mean_output_tokens: int
+    rate_rps: float
+    goodput_rps: float
+    attainment: float
+    decided_at: float
+    def __init__(self, prefill_replicas: _Optional[int] = ..., decode_replicas: _Optional[int] = ..., mean_input_tokens: _Optional[int] = ..., mean_output_tokens: _Optional[int] = ..., rate_rps: _Optional[float] = ..., goodput_rps: _Optional[float] = ..., attainment: _Optional[float] = ..., decided_at: _Optional[float] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("pool", "deployment", "current_replicas", "target_replicas", "min_replicas", "max_replicas", "signals")

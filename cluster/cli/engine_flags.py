@@ -80,8 +80,8 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         choices=TENSOR_PARALLEL_SIZES,
-        help="ranks each engine replica spans; above 1, colocated mode only for now (KV does "
-        "not move between tensor-parallel engines yet) (default: 1)",
+        help="ranks each engine replica spans; 1, 2 or 4 in disaggregated mode, where the two "
+        "pools may differ (default: 1)",
     )
     for pool in ("prefill", "decode"):
         tp.add_argument(

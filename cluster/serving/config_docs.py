@@ -74,7 +74,7 @@ FIELD_DOCS: dict[str, dict[str, str]] = {
     },
     "PoolConfig": {
         "tensor_parallel_size": "Ranks each engine replica spans (1, 2, 4 or 8), on one node "
-        "(a STRICT_PACK placement group, a bundle per rank); above 1 in colocated mode only.",
+        "(a STRICT_PACK placement group, a bundle per rank); 1, 2 or 4 in a disaggregated app.",
         "torch_threads": "torch's intra-op threads per engine rank; 0 = torch's default.",
         "gil_switch_interval_s": "Python's GIL switch interval in engine replicas: short, so "
         "the event loop's bursts stall an engine step briefly.",

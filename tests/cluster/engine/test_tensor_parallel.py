@@ -105,19 +105,25 @@ def test_dead_follower_fails_the_step(checkpoint):
 
 
 def test_tp_pool_layout_differs_from_tp1(checkpoint):
-    """A TP 2 rank's pool holds half the KV heads: its layout does not match a TP 1 pool's, so
-    a KV transfer between them fails FAILED_PRECONDITION, and a TP engine refuses every import
-    (two TP 2 pools share a layout, but only rank 0's heads would move: head slices rank to
-    rank are not built)."""
+    """A TP 2 rank's pool holds half the KV heads, and its layout says which: it does not match
+    a TP 1 pool's (a whole-pool transfer between them fails FAILED_PRECONDITION; the head plan
+    of cluster/kv_transfer/grpc/tp_ranks.py moves them instead), and a TP engine refuses an
+    import unless its caller moves every rank's heads (`imports_every_rank`)."""
     path = checkpoint("llama-gqa")
     with TPReplica(engine_config(path), 2) as replica:
         ours = replica.engine.layout
         with pytest.raises(FailedPrecondition, match="tensor-parallel"):
             replica.engine.reserve_import(Request("in", prompt(5, seed=3), greedy(2)))
         assert replica.engine.stats().kv_blocks_used == 0
-    whole = KVLayout(**{**ours.to_dict(), "num_kv_heads": TINY_SHAPE["num_key_value_heads"]})
+    assert (ours.kv_head_start, ours.total_kv_heads, ours.tp_size) == (0, 2, 2)
+    whole = KVLayout(**{**ours.to_dict(), "num_kv_heads": 2, "tp_size": 1})
     with pytest.raises(FailedPrecondition):
         whole.check_matches(ours)
+    # A TP 1 pool serves rank 0's heads as a head slice of its own (a slice names its server's
+    # TP size), but not a layout of another TP size as if it were its own.
+    assert whole.check_serves(KVLayout(**{**ours.to_dict(), "tp_size": 1})) == 0
+    with pytest.raises(FailedPrecondition):
+        whole.check_serves(ours)
 
 
 def test_tp1_engine_has_no_tp_machinery(model_dir, make_engine):

@@ -1,15 +1,15 @@
-"""One four-node Ray cluster per test module, on hosts of a `NetnsLab` (tests/multinode/
+"""One five-node Ray cluster per test module, on hosts of a `NetnsLab` (tests/multinode/
 netns_lab.py), running deploy/serve/production.yaml with only what a CPU needs changed.
 
-Hosts (node types of deploy/aws/cluster.yaml): `head` (head + router), `prefill`
-(prefill_gpu), `decode1` and `decode2` (decode_gpu). Two applications, deployed at once with
-`serve deploy` from the head host: "pdserve", the production application (transport `auto`,
-which is nixl here), and "pdgrpc", the same on `grpc`. What changes from the production file:
-the model (the `tiny` checkpoint the tests build, its weights unpacked), device and dtype
-(cpu, float32), sizes (KV blocks, token budget, torch threads, the context of the tiny model),
-the GPUs (none), pool sizes (one router, a decode replica per decode node) and, for the
-partition test, a shorter `fetch_timeout_seconds`. Everything the lab made is removed when the
-module ends, also when it fails; tests/multinode/test_zz_nothing_left.py checks.
+Hosts (node types of deploy/aws/cluster.yaml): `head` (head + router), `prefill` and
+`prefill2` (prefill_gpu), `decode1` and `decode2` (decode_gpu). Two applications, deployed at
+once with `serve deploy` from the head host: "pdserve", the production application (transport
+`auto`, which is nixl here), and "pdgrpc", the same on `grpc`. What changes from the
+production file: the model (the `tiny` checkpoint the tests build, its weights unpacked),
+device and dtype (cpu, float32), sizes (KV blocks, token budget, torch threads, the context of
+the tiny model), the GPUs (none), pool sizes (one router, a replica per prefill and per decode
+node) and, for the partition test, a shorter `fetch_timeout_seconds`. Everything the lab made
+is removed when the module ends, also when it fails; tests/multinode/test_zz_nothing_left.py checks.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ FETCH_TIMEOUT_S = 4.0
 NODE_TYPES = {
     "head": ["head", "router"],
     "prefill": ["prefill_gpu"],
+    "prefill2": ["prefill_gpu"],
     "decode1": ["decode_gpu"],
     "decode2": ["decode_gpu"],
 }
@@ -64,7 +65,7 @@ def cpu_serve_config(model_dir: Path) -> dict[str, Any]:
     # Plain fp32 weights: the packed ones' native kernels are built on first use, a wait that
     # has nothing to do with the nodes.
     args["model"]["packed_weights"] = False
-    _pools(args, {"router": 1, "prefill": 1, "decode": 2})
+    _pools(args, {"router": 1, "prefill": 2, "decode": 2})
     args["transfer"].update(fetch_timeout_seconds=FETCH_TIMEOUT_S, lease_seconds=10)
     other = copy.deepcopy(app)
     other.update(name=GRPC, route_prefix="/grpc")

@@ -7,8 +7,8 @@ program's one JSON line on stdout.
 Verbs: `nodes` and `serve` (the dashboard's REST API: Ray's nodes, Serve's applications and
 their replicas with each one's node), `stats` (`GetStats`), `generate` (many streaming
 `Generate` calls at once; with `ready_after` it prints `READY` once every stream still going
-has that many messages, so the caller can break something under load, and with
-`name_busiest` also the id of the decode replica then running the most of them, asked in
+has that many messages (0: at once), so the caller can break something under load, and with
+`name_busiest` (a pool) also the id of that pool's replica then running the most of them, asked in
 this process so no second program's start-up lets the streams end first), `watch` (`GetStats`
 every `interval` s for `seconds` s, every answer's code and replicas). The dashboard calls
 carry the cluster's Ray token (`RAY_AUTH_TOKEN`), as any client of a token-authenticated
@@ -92,17 +92,22 @@ def watch(args: dict[str, Any]) -> Any:
     return seen
 
 
-def _busiest_decode(args: dict[str, Any]) -> list[str]:
-    """[the id of the decode replica running the most sequences], when `name_busiest` asks
-    for it; waits (up to 10 s) for a report that shows the streams running."""
-    if not args.get("name_busiest"):
+def _load(replica: dict[str, Any]) -> int:
+    return int(replica.get("running", 0)) + int(replica.get("waiting", 0))
+
+
+def _busiest(args: dict[str, Any]) -> list[str]:
+    """[the id of the `name_busiest` pool's replica running or queueing the most sequences],
+    when `name_busiest` asks for it; waits (up to 10 s) for a report that shows them."""
+    pool = args.get("name_busiest")
+    if not pool:
         return []
     deadline = time.monotonic() + 10.0
     while True:
         replicas = stats(args).get("replicas", [])
-        decodes = [r for r in replicas if r["pool"] == "decode"]
-        busiest = max(decodes, key=lambda r: int(r.get("running", 0)), default=None)
-        if busiest is not None and int(busiest.get("running", 0)) > 0:
+        engines = [r for r in replicas if r["pool"] == pool]
+        busiest = max(engines, key=_load, default=None)
+        if busiest is not None and _load(busiest) > 0:
             return [busiest["replica_id"]]
         if time.monotonic() > deadline:
             return ["none"]
@@ -136,10 +141,10 @@ def generate(args: dict[str, Any]) -> Any:
     for t in threads:
         t.start()
     ready_after = args.get("ready_after")
-    if ready_after:
+    if ready_after is not None:
         while not all(r["messages"] >= ready_after or "seconds" in r for r in results):
             time.sleep(0.005)
-        print(" ".join(["READY", *_busiest_decode(args)]), flush=True)
+        print(" ".join(["READY", *_busiest(args)]), flush=True)
     for t in threads:
         t.join()
     return results

@@ -1,9 +1,9 @@
-"""pdserve across hosts: four Ray nodes in network namespaces of their own (tests/multinode/
+"""pdserve across hosts: five Ray nodes in network namespaces of their own (tests/multinode/
 conftest.py), the production Serve config on the CPU. Each pool runs on its node type; greedy
 outputs through Serve's proxy and the routers' direct endpoints equal transformers with the KV
 moved between hosts over nixl and over grpc; nothing between nodes is bound to loopback; a
-partition between the prefill and decode nodes and the loss of a whole decode node cost no
-request, leave no KV block used or leased, and `GetStats` answers throughout."""
+partition between the prefill and decode nodes and the loss of a whole prefill or decode node
+cost no request, leave no KV block used or leased, and `GetStats` answers throughout."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.multinode.namespaced_ray import node_resources
 
 pytestmark = pytest.mark.slow
 VOCAB = 4096  # the `tiny` preset's
-ENGINES = {"Prefill": ["prefill"], "Decode": ["decode1", "decode2"], "Router": ["head"]}
+ENGINES = {"Prefill": ["prefill", "prefill2"], "Decode": ["decode1", "decode2"], "Router": ["head"]}
 
 
 def _cases(n: int, seed: int, max_tokens: int | None = None) -> list[tuple[list[int], int]]:
@@ -103,7 +103,7 @@ def test_32_concurrent_greedy_requests_equal_transformers_with_kv_moved_between_
         _check_greedy(results, cases, hf, tokenizer_model_dir)
         for r in results:
             timing = r["timing"]
-            assert hosts[timing["prefill_replica"]] == "prefill"
+            assert hosts[timing["prefill_replica"]].startswith("prefill")
             assert hosts[timing["decode_replica"]].startswith("decode")
             assert timing["kv_transfer_seconds"] > 0
     _wait_for_idle(cluster, app)
@@ -129,15 +129,14 @@ def _listeners(cluster, host: str, pids: set[int]) -> list[str]:
 def test_no_address_in_use_between_nodes_is_loopback(cluster):
     """The advertised endpoints (prefill KV servers, router direct endpoints) are on the node's
     address, and no replica listens on loopback only; the decode replicas' connections go to
-    the prefill node (KV) and the head (token streams)."""
+    a prefill node (KV) and the head (token streams)."""
     for app in (PD, GRPC):
         stats = cluster.client("stats", app=app)
+        hosts = _replica_hosts(cluster, app)
         for r in stats["replicas"]:
             for key in ("kv_endpoint", "grpc_endpoint"):
                 if r.get(key):
-                    want = (
-                        cluster.head_ip if r["pool"] == "router" else cluster.lab.hosts["prefill"]
-                    )
+                    want = cluster.lab.hosts[hosts[r["replica_id"]]]
                     assert r[key].rsplit(":", 1)[0] == want, r
     for host in NODE_TYPES:
         pids = set(cluster.lab.pids(host))
@@ -150,15 +149,16 @@ def test_no_address_in_use_between_nodes_is_loopback(cluster):
     # (nixl drops a pair's connection at its last lease): look while requests run.
     load = cluster.client_popen("generate", app=GRPC, cases=_cases(24, seed=5), timeout=240)
     peers: set[str] = set()
+    prefills = {cluster.lab.hosts[h] for h in ENGINES["Prefill"]}
     try:
-        while load.poll() is None and cluster.lab.hosts["prefill"] not in peers:
+        while load.poll() is None and not prefills & peers:
             for host in ("decode1", "decode2"):
                 conns = cluster.lab.run(host, ["ss", "-Htn", "state", "established"]).stdout
                 peers |= {_ip(line.split()[3]) for line in conns.splitlines()}
     finally:
         out, err = load.communicate(timeout=240)
     assert load.returncode == 0, err[-3000:]
-    assert cluster.lab.hosts["prefill"] in peers and cluster.head_ip in peers, peers
+    assert prefills & peers and cluster.head_ip in peers, peers
     _wait_for_idle(cluster, GRPC)
 
 
@@ -178,18 +178,18 @@ def _replica_pids(cluster, host: str) -> set[int]:
 def test_a_partition_between_prefill_and_decode_nodes_never_hangs_a_request(
     cluster, tokenizer_model_dir, hf
 ):
-    """While the prefill node and the decode nodes cannot reach each other (their bridge ports
+    """While the prefill nodes and the decode nodes cannot reach each other (their bridge ports
     isolated; both still reach the head), fetches fail within fetch_timeout_seconds and the
     prompts are prefilled again; once the partition heals they go through. Every request ends
     exact or UNAVAILABLE, none hangs, and the KV comes back to zero."""
     cases = _cases(8, seed=3, max_tokens=12)
     partition_s = 6.0
-    cluster.lab.isolate(["prefill", "decode1", "decode2"], on=True)
+    cluster.lab.isolate(["prefill", "prefill2", "decode1", "decode2"], on=True)
     try:
         client = cluster.client_popen("generate", app=PD, cases=cases, timeout=120)
         time.sleep(partition_s)
     finally:
-        cluster.lab.isolate(["prefill", "decode1", "decode2"], on=False)
+        cluster.lab.isolate(["prefill", "prefill2", "decode1", "decode2"], on=False)
     out, err = client.communicate(timeout=180)
     assert client.returncode == 0, err[-3000:]
     results = json.loads(out.strip().splitlines()[-1])
@@ -227,7 +227,7 @@ def test_a_decode_node_lost_mid_stream_costs_no_request_and_stats_keep_answering
     hosts = _replica_hosts(cluster, PD)
     watch = cluster.client_popen("watch", app=PD, seconds=45, interval=0.5)
     client = cluster.client_popen(
-        "generate", app=PD, cases=cases, ready_after=3, name_busiest=True, timeout=240
+        "generate", app=PD, cases=cases, ready_after=3, name_busiest="decode", timeout=240
     )
     try:
         ready, busiest = (client.stdout.readline().split() + ["", ""])[:2]
@@ -249,6 +249,53 @@ def test_a_decode_node_lost_mid_stream_costs_no_request_and_stats_keep_answering
     cluster.wait_for_nodes(list(NODE_TYPES))
     _wait_for_pool(cluster, PD, "Decode", 2)
     _wait_for_pool(cluster, GRPC, "Decode", 1)
+    deadline = time.monotonic() + 60
+    while True:  # the dead replicas' entries age out of the registry
+        stats = _wait_for_idle(cluster, PD)
+        listed = {r["replica_id"] for r in stats["replicas"]}
+        if listed == set(_replica_hosts(cluster, PD)):
+            break
+        assert time.monotonic() < deadline, (listed, _replica_hosts(cluster, PD))
+        time.sleep(2.0)
+    _wait_for_idle(cluster, GRPC)
+
+
+def test_a_prefill_node_lost_mid_load_costs_no_request_and_stats_keep_answering(
+    cluster, tokenizer_model_dir, hf
+):
+    """Every process of a prefill node killed while 16 long prompts are prefilled, the node
+    whose replica GetStats shows running or queueing the most of them: the prompts it held are
+    prefilled again on the other node (KV it had leased, lost with it, too), every request ends
+    exact, `GetStats` answers OK all along; the node rejoins, the pool is back to two replicas,
+    no KV block is used or leased, and GetStats lists exactly the running replicas."""
+    cases = [((ids * (900 // len(ids) + 1))[:900], 8) for ids, _ in _cases(16, seed=9)]
+    _wait_for_pool(cluster, PD, "Prefill", 2)
+    hosts = _replica_hosts(cluster, PD)
+    watch = cluster.client_popen("watch", app=PD, seconds=30, interval=0.5)
+    client = cluster.client_popen(
+        "generate", app=PD, cases=cases, ready_after=0, name_busiest="prefill", timeout=240
+    )
+    try:
+        ready, busiest = (client.stdout.readline().split() + ["", ""])[:2]
+        assert ready == "READY" and busiest in hosts, (ready, busiest, client.stderr.read()[-3000:])
+        victim = hosts[busiest]
+        assert cluster.lab.kill_all(victim)
+        out, err = client.communicate(timeout=300)
+    finally:
+        client.kill()
+    assert client.returncode == 0, err[-3000:]
+    results = json.loads(out.strip().splitlines()[-1])
+    _check_greedy(results, cases, hf, tokenizer_model_dir)
+    by = [hosts.get(r["timing"]["prefill_replica"], "new") for r in results]
+    print(f"\nprefill node {victim} lost; prefilled on:", {h: by.count(h) for h in set(by)})
+    w_out, w_err = watch.communicate(timeout=120)
+    assert watch.returncode == 0, w_err[-3000:]
+    seen = json.loads(w_out.strip().splitlines()[-1])
+    assert seen and all(s["code"] == "OK" for s in seen), [s for s in seen if s["code"] != "OK"]
+    cluster.start(victim)
+    cluster.wait_for_nodes(list(NODE_TYPES))
+    _wait_for_pool(cluster, PD, "Prefill", 2)
+    _wait_for_pool(cluster, GRPC, "Prefill", 1)
     deadline = time.monotonic() + 60
     while True:  # the dead replicas' entries age out of the registry
         stats = _wait_for_idle(cluster, PD)

@@ -1,7 +1,8 @@
 """A pool's `tensor_parallel_size` (cluster/serving/pool_config.py): its bounds, the Serve
 options it makes (one placement-group bundle per rank, STRICT_PACK, the replica's actor in the
-first), what the cluster must hold for it, and the sizes a disaggregated app takes (1, 2, 4 per pool,
-split by the checkpoint). The apps serving with it: tests/e2e/test_tensor_parallel_*.py."""
+first), what the cluster must hold for it, and the sizes a disaggregated app takes (1, 2, 4
+per pool, split by the checkpoint). The apps serving with it: tests/e2e/test_tensor_parallel_*.py.
+"""
 
 from __future__ import annotations
 

@@ -12,31 +12,17 @@ import signal
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 import pytest
 
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from tests.e2e.test_tensor_parallel_serving import _cmdline, _ppid
 from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
 
 APP = "tprank"
 STREAMS = 12
 MAX_TOKENS = 48
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _ppid(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return -1
 
 
 def _decode_followers() -> list[int]:

@@ -6,13 +6,17 @@ wrong; a token check is True only for the genuine token and never raises."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cluster.engine.kv_cache import KVLayout
 from cluster.errors import FailedPrecondition, InvalidArgument
 from cluster.kv_transfer.capability import TOKEN_BYTES, Capability
-from cluster.kv_transfer.kv_handle import KVHandle, split_endpoint
+from cluster.kv_transfer.grpc.tp_ranks import head_plan, rank_heads
+from cluster.kv_transfer.kv_handle import MAX_TP_SIZE, KVHandle, layout_from_proto, split_endpoint
 from cluster.kv_transfer.nixl.nixl_pool import MAX_POOL_BLOCKS, check_description, pool_rows
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from tests.fuzz.fuzzing import fuzz, mutated, seeds, with_seeds
@@ -35,6 +39,10 @@ def parse(raw: bytes) -> KVHandle | None:
         return None
     assert len(handle.block_ids) == -(-handle.num_tokens // handle.block_size)
     assert len(set(handle.block_ids)) == len(handle.block_ids)
+    layout = handle.layout
+    assert 1 <= layout.tp_size <= MAX_TP_SIZE and layout.head_end <= layout.total_kv_heads
+    assert len(handle.rank_endpoints) == layout.tp_size - 1
+    assert all(split_endpoint(e)[1] > 0 for e in handle.rank_endpoints)
     assert KVHandle.from_proto(handle.to_proto()) == handle
     return handle
 
@@ -80,6 +88,8 @@ def hostile_handle(draw) -> bytes:
                     "lease_expiry_unix",
                     "capability_token",
                     "first_token_id",
+                    "tp",
+                    "rank_endpoints",
                 )
             )
         )
@@ -96,6 +106,23 @@ def hostile_handle(draw) -> bytes:
             msg.layout.dtype = draw(st.sampled_from(("", "float32", "int4", "float16")))
             if draw(st.booleans()):
                 msg.ClearField("layout")
+        elif field == "tp":  # the heads a rank of a TP group claims to hold
+            small = st.sampled_from((0, 1, 2, 3, 4, 64, 65))
+            if draw(st.booleans()):  # a coherent rank 0 of some TP size, then maybe one lie
+                tp, total = draw(small), draw(st.sampled_from((1, 2, 3, 4)))
+                msg.layout.tp_size, msg.layout.total_kv_heads = tp, total
+                msg.layout.num_kv_heads, msg.layout.kv_head_start = max(1, total // max(tp, 1)), 0
+                del msg.rank_endpoints[:]
+                msg.rank_endpoints.extend(f"127.0.0.1:{7402 + r}" for r in range(1, tp))
+            for name in ("num_kv_heads", "kv_head_start", "total_kv_heads", "tp_size"):
+                if draw(st.integers(0, 3)) == 0:
+                    setattr(msg.layout, name, draw(small | U32))
+        elif field == "rank_endpoints":
+            del msg.rank_endpoints[:]
+            hosts = st.sampled_from(("127.0.0.1:7402", "[::1]:7", "h:0", "h", ":1", "")) | st.text(
+                max_size=12
+            )
+            msg.rank_endpoints.extend(draw(st.lists(hosts, max_size=5)))
         elif field == "lease_expiry_unix":
             msg.lease_expiry_unix = draw(st.floats())
         else:
@@ -179,3 +206,51 @@ def test_a_nixl_pool_description_is_checked_before_any_descriptor_is_built(desc:
         desc.device_id,
     )
     assert rows.shape == (2 * LAYOUT.num_layers, 5) and desc.num_blocks <= MAX_POOL_BLOCKS
+
+
+def _rank_layout(tp: int, rank: int) -> KVLayout:
+    heads = rank_heads(LAYOUT.num_kv_heads, tp, rank)
+    return replace(LAYOUT, num_kv_heads=len(heads), kv_head_start=heads.start, tp_size=tp)
+
+
+# A decode rank's pool of every TP size the two-head fuzz model splits into.
+READERS = [_rank_layout(tp, r) for tp in (1, 2, 4) for r in range(tp)]
+
+
+@st.composite
+def rank0_layout(draw) -> KVLayout | None:
+    """The layout a handle carries (its prefill rank 0's), parsed from the wire: a coherent
+    one of some TP size, then maybe a field or two replaced by any value."""
+    small = st.sampled_from((0, 1, 2, 3, 4, 8, 64, 65))
+    tp, total = draw(small), draw(st.sampled_from((2, 2, 2, 1, 3, 4)))
+    fields = dict(LAYOUT.to_dict(), tp_size=tp, total_kv_heads=total, kv_head_start=0)
+    fields["num_kv_heads"] = max(1, total // max(tp, 1))
+    for name in ("num_kv_heads", "kv_head_start", "total_kv_heads", "tp_size"):
+        if draw(st.integers(0, 4)) == 0:
+            fields[name] = draw(small | U32)
+    try:
+        return layout_from_proto(pb.KVLayout(**fields))
+    except InvalidArgument:
+        return None
+
+
+@fuzz(600)
+@given(rank0_layout(), st.sampled_from(READERS))
+def test_a_head_plan_reads_exactly_the_readers_heads_from_ranks_that_hold_them(source, reader):
+    """What a decode rank reads, planned from a handle's (prefill rank 0's) layout: every head
+    of its own once, in order, each from a prefill rank of the handle's TP size that holds it;
+    a layout of another model or heads that do not split is FailedPrecondition."""
+    if source is None:
+        return
+    try:
+        runs = head_plan(source, reader)
+    except FailedPrecondition:
+        return
+    covered = []
+    for run in runs:
+        assert 0 <= run.rank < source.tp_size and run.count >= 1
+        held = rank_heads(source.total_kv_heads, source.tp_size, run.rank)
+        assert held.start <= run.start and run.start + run.count <= held.stop
+        assert run.offset == run.start - reader.kv_head_start
+        covered.extend(range(run.start, run.start + run.count))
+    assert covered == list(range(reader.kv_head_start, reader.head_end))

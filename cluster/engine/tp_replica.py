@@ -1,16 +1,16 @@
-"""A tensor-parallel replica on one machine: an `Engine` on rank 0, in this process, and one
-process per other rank running `follow_steps`, joined by a `TorchGroup` (gloo on the CPU, NCCL
-on GPUs) through a TCPStore rendezvous on `host`.
+"""A tensor-parallel replica: an `Engine` on rank 0, in this process, and one follower per
+other rank running `follow_steps`, joined by a `TorchGroup` (gloo on the CPU, NCCL on GPUs)
+through a TCPStore rendezvous on `host`.
 
-Start: rank 0 hosts the store on a free port and spawns the followers; each follower imports,
+Start: rank 0 hosts the store on a free port and starts the followers; each follower imports,
 says it is ready in the store, then every rank joins the process group (so the group's
 connection timeout covers the connection, not a child's imports). Every rank loads only its
 shard of the checkpoint; rank 0 chooses the KV pool's size and tells the followers.
 
-The ranks are local processes: served, the replica's Serve deployment reserves one
-placement-group bundle per rank, all on the replica's node (STRICT_PACK,
-`cluster.serving.pool_config.PoolConfig.serve_placement`), and the followers run there as
-children of the replica's process. Ranks on other machines are not built.
+Where the followers run is the launcher's (`cluster.engine.tp_launch`): local spawn processes
+by default; served, Ray actors, rank `r` in bundle `r` of the replica's placement group (one
+bundle per rank, `cluster.serving.pool_config.PoolConfig.serve_placement`), the store on the
+node's address.
 
 `close` stops the followers (one message, then a join with a deadline, then terminate) and
 frees the group. A follower that dies makes rank 0's next step raise.
@@ -19,7 +19,6 @@ frees the group. A follower that dies makes rank 0's next step raise.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import time
 
 import torch
@@ -28,6 +27,7 @@ from cluster.config import EngineConfig
 from cluster.engine.engine import Engine, kv_layout
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model_runner import ModelRunner
+from cluster.engine.tp_launch import LocalRanks, local_device
 from cluster.engine.tp_runner import TPModelRunner, follow_steps
 from cluster.errors import InvalidArgument, Unavailable
 from cluster.model.info import describe_model
@@ -45,32 +45,36 @@ class TPReplica:
         self,
         config: EngineConfig,
         tensor_parallel_size: int,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         timeout_s: float = 60.0,
         start_timeout_s: float = 300.0,
         engine_class: type[Engine] = Engine,
         rank_service=None,
+        launcher=None,
     ) -> None:
         """`engine_class`: rank 0's engine, `Engine` or a subclass that keeps its constructor
         (a served replica's `MeteredEngine`). `rank_service`: what each other rank serves its
         KV with (picklable, with `start(pool, leader) -> "host:port"`, e.g.
         `cluster.kv_transfer.rank_server.RankService`); their endpoints are `rank_endpoints`,
-        and rank 0's own KV server is told to them with `publish_leader`."""
+        and rank 0's own KV server is told to them with `publish_leader`. `launcher`: where
+        the other ranks run (`cluster.engine.tp_launch`: local processes by default, or Ray
+        actors in the replica's placement-group bundles); `host` (default the launcher's):
+        the address of the rendezvous store, which every rank must reach."""
         k = tensor_parallel_size
         if k < 2:
             raise InvalidArgument("a TPReplica has 2 or more ranks; use Engine for TP 1")
         config = config.resolved()
         TPShard.of(describe_model(config.model).spec, 0, k)  # refuses a size that does not split
         self.timeout_s = timeout_s
+        launcher = launcher or LocalRanks()
+        host = host or launcher.host
         store = host_store(host, k, start_timeout_s)
-        ctx = mp.get_context("spawn")
         args = (config, k, host, store.port, timeout_s, torch.get_num_threads(), rank_service)
-        self.followers = [
-            ctx.Process(target=_follower, args=(rank, *args), daemon=True) for rank in range(1, k)
-        ]
-        for p in self.followers:
-            p.start()
+        self.followers: list = []
         try:
+            for rank in range(1, k):
+                gpu = launcher.gpu_index(rank)
+                self.followers.append(launcher.start(_follower, rank, (*args, gpu)))
             _wait_ready(store, self.followers, start_timeout_s)
             device = torch.device(config.model.device)
             self.group = TorchGroup(0, k, store, device, timeout_s)
@@ -114,7 +118,6 @@ class TPReplica:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.terminate()
-                p.join(5.0)
 
     def __enter__(self) -> TPReplica:
         return self
@@ -152,15 +155,13 @@ def _follower(
     timeout_s: float,
     threads: int,
     rank_service=None,
+    gpu_index: int = 0,
 ) -> None:
-    """A follower process: join the group, load this rank's shard, build its KV pool with the
-    leader's block count, then run steps until told to stop."""
+    """A follower (a process or a Ray actor's call): join the group, load this rank's shard,
+    build its KV pool with the leader's block count, then run steps until told to stop."""
     torch.set_num_threads(threads)
     store = join_store(host, port, world_size, timeout_s)
-    device = torch.device(config.model.device)
-    if device.type == "cuda":  # one GPU per rank on a local node
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
+    device = local_device(torch.device(config.model.device), gpu_index)
     store.set(f"ready/{rank}", "1")
     group = TorchGroup(rank, world_size, store, device, timeout_s)
     loaded = load_model(config.model, group)

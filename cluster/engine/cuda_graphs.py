@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.scheduler import ScheduledSeq
+from cluster.engine.step_inputs import StepInputs
 from cluster.model.attention import AttentionMetadata
 from cluster.model.decoder import CausalLM
 from cluster.model.triton_attention import TritonAttention, VarlenBatch, upload
@@ -112,11 +112,12 @@ class DecodeGraphs:
         self.query_lens = torch.ones(n, dtype=i32, device=device)
         self.graphs: dict[int, Step] = {}
 
-    def fits(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Whether a replay can run this step: every sequence decodes, and they fit a bucket."""
-        return len(scheduled) <= self.sizes[-1] and all(
-            s.num_tokens == 1 and s.samples and len(s.seq.block_table) <= self.max_blocks
-            for s in scheduled
+    def fits(self, step: StepInputs) -> bool:
+        """Whether a replay can run this step: every sequence decodes, and they fit a bucket.
+        (A TP follower decides from the same message as its leader, so both replay or neither.)"""
+        return len(step.lens) <= self.sizes[-1] and all(
+            n == 1 and samples and len(table) <= self.max_blocks
+            for n, samples, table in zip(step.lens, step.samples, step.block_tables, strict=True)
         )
 
     def bucket(self, n: int) -> int:
@@ -150,23 +151,24 @@ class DecodeGraphs:
         return step
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:  # [n, vocab] float32
+    def run(self, step: StepInputs) -> torch.Tensor:  # [n, vocab] float32
         """Fill the static buffers with this step's `n` sequences and padding up to their
         bucket, replay the bucket's graph, and return the sequences' logits, in order."""
-        n = len(scheduled)
+        n = len(step.lens)
         size, bs = self.bucket(n), self.block_size
-        width = max(len(s.seq.block_table) for s in scheduled)
+        width = max(len(table) for table in step.block_tables)
         pad = size - n
-        ids = [s.seq.token_ids[s.start] for s in scheduled] + [0] * pad
-        positions = [s.start for s in scheduled] + [0] * pad
-        slots = [s.seq.block_table[s.start // bs] * bs + s.start % bs for s in scheduled]
+        ids = list(step.token_ids) + [0] * pad
+        positions = list(step.starts) + [0] * pad
+        rows = zip(step.starts, step.block_tables, strict=True)
+        slots = [table[p // bs] * bs + p % bs for p, table in rows]
         slots += [self.scratch * bs] * pad
         # Columns past a row's own table are never read (the kernel stops at the block of the
         # row's position), nor are those past `width`, left from earlier steps.
         tables = []
-        for s in scheduled:
-            tables += s.seq.block_table
-            tables += [self.scratch] * (width - len(s.seq.block_table))
+        for table in step.block_tables:
+            tables += table
+            tables += [self.scratch] * (width - len(table))
         tables += [self.scratch] * (width * pad)
         host = upload([*ids, *positions, *slots, *tables], torch.long, self.device)
         ids_d, positions_d, slots_d, tables_d = host.split([size, size, size, size * width])

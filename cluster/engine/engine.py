@@ -86,6 +86,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, blocks)  # the block manager's only caller
         runner = ModelRunner if tp.world_size == 1 else TPModelRunner
         self.runner = runner(self.loaded.model, self.kv_cache, self.device)
+        # At TP > 1 every rank captures together, after the followers start (`TPReplica`).
         graphs = config.model.cuda_graphs and tp.world_size == 1
         if graphs and self.runner.varlen_attention is not None:
             self.runner.graphs = capture_decode_graphs(

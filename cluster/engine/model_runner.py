@@ -20,6 +20,7 @@ from cluster.engine.kv_cache import KVCache
 from cluster.engine.sampler import NO_TOKEN, Sampler, no_token_error
 from cluster.engine.scheduler import ScheduledSeq
 from cluster.engine.sequence import Sequence
+from cluster.engine.step_inputs import StepInputs
 from cluster.errors import PdServeError
 from cluster.model.attention import AttentionMetadata, build_decode_group, build_prefill_group
 from cluster.model.decode_attention import select_decode_attention
@@ -46,44 +47,6 @@ class Sampled:
 
 
 @dataclass(frozen=True)
-class StepInputs:
-    """What the forward pass of one step needs to know of its batch, in plain lists: all a
-    tensor-parallel follower rank is sent (`to_wire`, msgpack), once per step."""
-
-    token_ids: list[int]  # [T] the new tokens, sequences back to back
-    starts: list[int]  # per sequence: the position of its first new token
-    lens: list[int]  # per sequence: how many new tokens
-    block_tables: list[list[int]]
-    samples: list[bool]  # per sequence: whether its last new token samples
-
-    @classmethod
-    def of(cls, scheduled: list[ScheduledSeq]) -> StepInputs:
-        ids: list[int] = []
-        for s in scheduled:
-            ids.extend(s.seq.token_ids[s.start : s.start + s.num_tokens])
-        return cls(
-            ids,
-            [s.start for s in scheduled],
-            [s.num_tokens for s in scheduled],
-            [s.seq.block_table for s in scheduled],
-            [s.samples for s in scheduled],
-        )
-
-    def to_wire(self) -> list:
-        return [self.token_ids, self.starts, self.lens, self.block_tables, self.samples]
-
-    @classmethod
-    def from_wire(cls, msg: list) -> StepInputs:
-        """Checks the shape of the message: one entry per sequence in each per-sequence list,
-        as many tokens as the lengths say."""
-        ids, starts, lens, tables, samples = msg
-        n = len(starts)
-        if not (len(lens) == len(tables) == len(samples) == n) or sum(lens) != len(ids):
-            raise PdServeError("malformed step message from the TP leader")
-        return cls(ids, starts, lens, tables, samples)
-
-
-@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -107,8 +70,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None  # set by the engine once they are captured
 
+    def announce(self, step: StepInputs) -> None:
+        """Tell the step to whoever runs it with us: nobody at TP 1 (a TP leader's runner
+        sends it to the other ranks, `TPModelRunner`)."""
+
     def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
-        return self.prepare_inputs(StepInputs.of(scheduled), [s for s in scheduled if s.samples])
+        step = StepInputs.of(scheduled)
+        self.announce(step)
+        return self.prepare_inputs(step, [s for s in scheduled if s.samples])
 
     def prepare_inputs(self, step: StepInputs, samplers: list[ScheduledSeq]) -> ForwardBatch:
         """The step's tensors; `samplers` are the sampling sequences (none on a TP follower)."""
@@ -174,9 +143,11 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> Sampled:
         """Compute KV for every scheduled token; return, per sampling seq, the sampled token
         and (if its request asked) the token's logprobs, or why it has none."""
-        if self.graphs is not None and self.graphs.fits(scheduled):
-            return self._sample(self.graphs.run(scheduled), scheduled)
-        batch = self.prepare(scheduled)
+        step = StepInputs.of(scheduled)
+        self.announce(step)
+        if self.graphs is not None and self.graphs.fits(step):
+            return self._sample(self.graphs.run(step), scheduled)
+        batch = self.prepare_inputs(step, [s for s in scheduled if s.samples])
         logits = self.forward(batch)
         if logits is None:
             return Sampled([], [], {})

@@ -24,6 +24,7 @@ import time
 import torch
 
 from cluster.config import EngineConfig
+from cluster.engine.cuda_graphs import capture_decode_graphs
 from cluster.engine.engine import Engine, kv_layout
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model_runner import ModelRunner
@@ -34,6 +35,7 @@ from cluster.model.info import describe_model
 from cluster.model.loader import load_model
 from cluster.model.parallel.group import TorchGroup, host_store, join_store
 from cluster.model.parallel.shard import TPShard
+from cluster.model.triton_attention import TritonAttention
 
 log = logging.getLogger("ray.serve." + __name__)
 
@@ -51,6 +53,7 @@ class TPReplica:
         engine_class: type[Engine] = Engine,
         rank_service=None,
         launcher=None,
+        graph_capture=None,
     ) -> None:
         """`engine_class`: rank 0's engine, `Engine` or a subclass that keeps its constructor
         (a served replica's `MeteredEngine`). `rank_service`: what each other rank serves its
@@ -59,7 +62,8 @@ class TPReplica:
         and rank 0's own KV server is told to them with `publish_leader`. `launcher`: where
         the other ranks run (`cluster.engine.tp_launch`: local processes by default, or Ray
         actors in the replica's placement-group bundles); `host` (default the launcher's):
-        the address of the rendezvous store, which every rank must reach."""
+        the address of the rendezvous store, which every rank must reach. `graph_capture`:
+        how every rank captures its decode graphs (`capture_graphs`)."""
         k = tensor_parallel_size
         if k < 2:
             raise InvalidArgument("a TPReplica has 2 or more ranks; use Engine for TP 1")
@@ -69,7 +73,8 @@ class TPReplica:
         launcher = launcher or LocalRanks()
         host = host or launcher.host
         store = host_store(host, k, start_timeout_s)
-        args = (config, k, host, store.port, timeout_s, torch.get_num_threads(), rank_service)
+        threads = torch.get_num_threads()
+        args = (config, k, host, store.port, timeout_s, threads, rank_service, graph_capture)
         self.followers: list = []
         try:
             for rank in range(1, k):
@@ -88,10 +93,13 @@ class TPReplica:
                 keys = [f"kv/{rank}" for rank in range(1, k)]
                 _wait_keys(store, keys, self.followers, start_timeout_s)
                 self.rank_endpoints = tuple(store.get(key).decode() for key in keys)
+            engine = self.engine
+            capture_graphs(engine.runner, config, engine.max_model_len, graph_capture)
         except BaseException:
             self._reap(0.0)
             raise
         self.store = store  # kept alive: the followers' group was made through it
+        self.tallies: dict[int, tuple[int, int]] = {}  # set by `close`
 
     def publish_leader(self, endpoint: str) -> None:
         """Tell the other ranks' KV servers rank 0's ("host:port"), which owns the leases."""
@@ -107,6 +115,19 @@ class TPReplica:
             except Exception:
                 log.warning("could not tell the TP followers to stop", exc_info=True)
         self._reap(self.timeout_s)
+        self.tallies = self._tallies()
+        if self.tallies:
+            log.info("TP followers stopped: (steps, graph replays) per rank %s", self.tallies)
+
+    def _tallies(self) -> dict[int, tuple[int, int]]:
+        """Each follower that stopped when told: the steps it ran and how many replayed."""
+        out = {}
+        for rank in range(1, len(self.followers) + 1):
+            key = f"tally/{rank}"
+            if self.store.check([key]):
+                steps, replayed = self.store.get(key).decode().split()
+                out[rank] = (int(steps), int(replayed))
+        return out
 
     def kill(self) -> None:
         """Terminate the followers at once (the group is broken: no stop message)."""
@@ -155,6 +176,7 @@ def _follower(
     timeout_s: float,
     threads: int,
     rank_service=None,
+    graph_capture=None,
     gpu_index: int = 0,
 ) -> None:
     """A follower (a process or a Ray actor's call): join the group, load this rank's shard,
@@ -174,7 +196,32 @@ def _follower(
         # Its own store client: the service's thread asks for rank 0's endpoint when it needs it.
         leader_store = join_store(host, port, world_size, timeout_s)
         store.set(f"kv/{rank}", rank_service.start(kv, lambda: _leader(leader_store)))
-    follow_steps(ModelRunner(model, kv, device), group)
+    runner = ModelRunner(model, kv, device)
+    capture_graphs(runner, config, loaded.info.max_model_len, graph_capture)  # with rank 0
+    steps, replayed = follow_steps(runner, group)
+    store.set(f"tally/{rank}", f"{steps} {replayed}")  # told to stop: what it ran, for close
+
+
+def capture_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int, capture=None):
+    """A rank's decode graphs (`cluster.engine.cuda_graphs`). Every rank captures the same
+    buckets in the same order at the same point of its start, since each capture's warm-up
+    step runs the model's collectives; NCCL's are captured into the graphs. CUDA graphs where a
+    TP 1 engine would capture them (`model.cuda_graphs`, a GPU on the Triton path); with
+    `capture` given (`cuda_graphs.replay_by_calling`, the CPU's stand-in) on the Triton path
+    whatever the device, as the TP 1 graph tests run it."""
+    if capture is not None and runner.varlen_attention is None:
+        runner.varlen_attention = TritonAttention(runner.sliding_window)
+    if not config.model.cuda_graphs or runner.varlen_attention is None:
+        return
+    runner.graphs = capture_decode_graphs(
+        runner.model,
+        runner.kv_cache,
+        runner.varlen_attention,
+        config.scheduler.max_num_seqs,
+        max_model_len,
+        runner.device,
+        capture=capture,
+    )
 
 
 def _leader(store) -> str:

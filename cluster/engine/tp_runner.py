@@ -17,39 +17,44 @@ from __future__ import annotations
 
 import logging
 
-from cluster.engine.model_runner import ForwardBatch, ModelRunner, StepInputs
-from cluster.engine.scheduler import ScheduledSeq
+from cluster.engine.model_runner import ModelRunner
+from cluster.engine.step_inputs import StepInputs
 from cluster.model.parallel.group import TPGroup
 
 log = logging.getLogger("ray.serve." + __name__)
 
 
 class TPModelRunner(ModelRunner):
-    """The leader's runner: `prepare` also sends the step to the followers. Decode steps run
-    eagerly (no captured graphs at TP > 1 yet)."""
+    """The leader's runner: each step is sent to the followers before it runs (`announce`).
+    With decode graphs (every rank captured the same buckets, `tp_replica`), a step that fits
+    one replays on every rank: each decides from the same message."""
 
     @property
     def tp(self) -> TPGroup:
         return self.model.tp
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
-        step = StepInputs.of(scheduled)
+    def announce(self, step: StepInputs) -> None:
         self.tp.broadcast_object(step.to_wire())
-        return self.prepare_inputs(step, [s for s in scheduled if s.samples])
 
     def stop_followers(self) -> None:
         """Tell the followers there will be no more steps (they return from `follow_steps`)."""
         self.tp.broadcast_object(None)
 
 
-def follow_steps(runner: ModelRunner, tp: TPGroup) -> int:
+def follow_steps(runner: ModelRunner, tp: TPGroup) -> tuple[int, int]:
     """A follower's loop: run every step the leader sends until it sends None; returns the
-    number of steps run. Waits for the next step without a deadline (an idle replica sends
-    none); any failure propagates, and the leader's next collective fails with it."""
-    steps = 0
+    number of steps run and how many of them replayed a decode graph. Waits for the next step
+    without a deadline (an idle replica sends none); any failure propagates, and the leader's
+    next collective fails with it."""
+    steps = replayed = 0
     while True:
         msg = tp.broadcast_object(timeout_s=None)
         if msg is None:
-            return steps
-        runner.forward(runner.prepare_inputs(StepInputs.from_wire(msg), []))
+            return steps, replayed
+        step = StepInputs.from_wire(msg)
+        if runner.graphs is not None and runner.graphs.fits(step):
+            runner.graphs.run(step)  # the leader replays the same bucket
+            replayed += 1
+        else:
+            runner.forward(runner.prepare_inputs(step, []))
         steps += 1

@@ -59,9 +59,9 @@ def watch(engine: Engine) -> Replays:
     graphs, replays = engine.runner.graphs, Replays()
     run = graphs.run
 
-    def logged(scheduled):
-        replays.log.append((len(scheduled), graphs.bucket(len(scheduled))))
-        return run(scheduled)
+    def logged(step):
+        replays.log.append((len(step.lens), graphs.bucket(len(step.lens))))
+        return run(step)
 
     graphs.run = logged
     return replays
@@ -272,3 +272,31 @@ def test_cuda_graph_decode_gives_the_eager_tokens(arch, dtype, model_dir, make_e
 def test_cuda_graph_padding_rows_write_only_the_scratch_block(model_dir, make_engine):
     engine = make_engine(model_dir("llama-gqa"), device="cuda", num_blocks=64, **SETTINGS)
     check_padding_stays_in_scratch(engine, watch(engine))
+
+
+def test_tp2_ranks_replay_the_same_decode_graphs_and_give_transformers_tokens(model_dir, hf):
+    """At TP 2 every rank captures the same buckets (`tp_replica.capture_graphs`) and each
+    decides from the step message whether to replay: the follower replays exactly the steps
+    rank 0 replays, and the tokens are transformers'."""
+    from cluster.engine.tp_replica import TPReplica
+    from tests.conftest import engine_config
+
+    path = model_dir("llama-gqa")
+    config = engine_config(path, **SETTINGS)
+    requests = [  # finishing at different steps: batches of 3, 2 and 1 (padded to 4, 2, 1)
+        Request("long", prompt(40, seed=1), greedy(8)),
+        Request("cross", prompt(14, seed=2), greedy(5)),  # positions 14..18: a second block
+        Request("brief", prompt(1, seed=3), greedy(3)),
+    ]
+    with TPReplica(config, 2, graph_capture=replay_by_calling) as replica:
+        engine = replica.engine
+        replays = watch(engine)
+        outs = engine.generate(requests)
+        assert engine.stats().kv_blocks_used == 0
+    assert {bucket for _, bucket in replays.log} == {1, 2, 4}
+    assert any(n < bucket for n, bucket in replays.log)  # some were padded
+    steps, replayed = replica.tallies[1]
+    assert replayed == len(replays.log) and steps > replayed  # prefill steps ran eagerly
+    for r, out in zip(requests, outs, strict=True):
+        hf.assert_greedy(path, r.prompt_token_ids, out.token_ids, len(out.token_ids))
+        assert out.finish_reason == "length"

@@ -121,7 +121,7 @@ def _start_leader(group, config):
 
 
 def _gone(pid: int) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not Path(f"/proc/{pid}").exists(), "rank 1's process outlived its replica"

@@ -2,8 +2,10 @@
 (simulate the splits of N replicas on a workload and pick the one with the most goodput).
 
     pdserve profile [--target HOST:9000] --out profile.json
+    pdserve profile --merge tp1.json tp2.json --out profile.json
     pdserve plan --profile profile.json (--trace T | --mix IN:OUT[:W] ...) \\
-        --slo-ttft-ms X --slo-itl-ms Y --replicas N [--out config.yaml]
+        --slo-ttft-ms X --slo-itl-ms Y (--replicas N | --gpus N [--tp-choices 1 2 4]) \\
+        [--out config.yaml]
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import yaml
 from cluster.client.load_generator import model_info
 from cluster.client.workload import TRACES, TraceScale, load_trace
 from cluster.errors import InvalidArgument
-from cluster.planner.planner import Candidate, plan
+from cluster.planner.planner import Candidate, Plan, plan, plan_gpus
 from cluster.planner.probe import ProbePlan, fit_profile, run_probes
-from cluster.planner.profile import EngineLimits, Profile
+from cluster.planner.profile import EngineLimits, Profile, merge_profiles
 from cluster.planner.serve_config import serve_config
 from cluster.planner.sim_workload import RequestClass, mix_requests, trace_requests
 from cluster.planner.simulator import ClusterShape
@@ -63,9 +65,18 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--machine", default=None, help="what it runs on (default: host and CPU)")
     p.add_argument("--seed", type=int, default=0, help="prompt tokens' seed")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="PROFILE",
+        help="probe nothing: merge profiles of different TP sizes into --out (default: none)",
+    )
 
 
 def profile_main(args: argparse.Namespace) -> int:
+    if args.merge:
+        return _merge(args.merge, args.out)
     info = asyncio.run(model_info(args.target, args.application))
     from cluster.client.generation_client import GenerationClient
 
@@ -73,6 +84,14 @@ def profile_main(args: argparse.Namespace) -> int:
         stats = client.stats()
     if not stats.kv_transport:
         raise InvalidArgument("profile a disaggregated deployment: it times the KV hop too")
+    # 0: a server from before the field, whose replicas are all TP 1.
+    sizes = {r.tensor_parallel_size or 1 for r in stats.replicas if r.pool in ("prefill", "decode")}
+    if len(sizes) > 1:
+        raise InvalidArgument(
+            f"the pools' tensor_parallel_size differ ({sorted(sizes)}): profile a deployment "
+            "whose prefill and decode replicas have one size"
+        )
+    tp = sizes.pop() if sizes else 1
     blocks = [r.kv_blocks_total for r in stats.replicas if r.pool == "decode"] or [1024]
     # "auto" is decided by each replica where it runs: the decode replicas' dtype.
     dtype = next((r.dtype for r in stats.replicas if r.pool == "decode" and r.dtype), info.dtype)
@@ -91,6 +110,7 @@ def profile_main(args: argparse.Namespace) -> int:
         "dtype": dtype,
         "target": args.target,
         "probes": probes.requests,
+        "tensor_parallel_size": tp,
     }
     per_token = args.kv_bytes_per_token or kv_bytes_per_token(args.model, dtype)
     try:
@@ -99,9 +119,20 @@ def profile_main(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"profile: {e}") from None
+    profile = replace(profile, tensor_parallel_size=tp)
     profile.save(args.out)
     print(json.dumps(profile.to_json(), indent=2))
     print(f"wrote {args.out}")
+    return 0
+
+
+def _merge(paths: list[str], out: str) -> int:
+    try:
+        merged = merge_profiles([Profile.load(p) for p in paths])
+    except ValueError as e:
+        raise InvalidArgument(str(e), param="merge") from None
+    merged.save(out)
+    print(f"wrote {out}: TP sizes {', '.join(map(str, merged.tp_sizes()))}")
     return 0
 
 
@@ -161,11 +192,25 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="inter-token latency SLO: a request's mean gap after its first token "
         "(required, no default)",
     )
-    p.add_argument(
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument(
         "--replicas",
         type=int,
-        required=True,
-        help="engine replicas to split (required, no default)",
+        help="engine replicas to split, at the profile's top-level TP size "
+        "(this or --gpus; no default)",
+    )
+    size.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs to share among replicas of the --tp-choices sizes (this or --replicas; "
+        "no default)",
+    )
+    p.add_argument(
+        "--tp-choices",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--gpus: tensor-parallel sizes a replica may have (default: the profile's)",
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the profile's")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: profile's")
@@ -193,31 +238,55 @@ def plan_main(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_kv_blocks": args.num_kv_blocks,
     }
-    limits = replace(profile.limits, **{k: v for k, v in overrides.items() if v is not None})
-    profile = replace(profile, limits=limits)
+    profile = profile.with_limits(**{k: v for k, v in overrides.items() if v is not None})
+    limits = profile.limits
+    if args.tp_choices and not args.gpus:
+        raise InvalidArgument("--tp-choices goes with --gpus", param="tp_choices")
     requests = _requests(args, limits)
     base = ClusterShape(prefix_affinity=not args.no_prefix_affinity, transport=args.transport)
-    result = plan(
-        profile, requests, args.replicas, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3,
-        base, args.seed,
-    )  # fmt: skip
+    result = _search(args, profile, requests, base)
     best = result.best
+    tp = args.gpus is not None
     if args.json:
-        print(json.dumps({"candidates": [_row(c) for c in result.candidates], "best": _row(best)}))
+        rows = [_row(c, tp) for c in result.candidates]
+        print(json.dumps({"candidates": rows, "best": _row(best, tp)}))
     else:
+        size = f"{args.gpus} GPUs" if tp else f"{args.replicas} replicas"
         print(f"{len(requests)} requests; SLOs: TTFT {args.slo_ttft_ms:g} ms, ITL (TPOT) "
-              f"{args.slo_itl_ms:g} ms; {args.replicas} replicas\n")  # fmt: skip
-        print(*render(result.candidates, best), sep="\n")
+              f"{args.slo_itl_ms:g} ms; {size}\n")  # fmt: skip
+        print(*render(result.candidates, best, args.gpus), sep="\n")
     if args.out:
         base_file = yaml.safe_load(Path(args.base_config).read_text()) if args.base_config else None
         transport = profile.transfer(args.transport).transport
-        doc = serve_config(best.shape, limits, transport, args.model, base_file)
+        doc = serve_config(_sized(best.shape, profile), limits, transport, args.model, base_file)
         Path(args.out).write_text(
-            f"# pdserve plan: {best.shape.describe()} for {args.profile}\n"
+            f"# pdserve plan: {best.shape.describe(tp)} for {args.profile}\n"
             + yaml.safe_dump(doc, sort_keys=False)
         )
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _search(args: argparse.Namespace, profile: Profile, requests: list, base: ClusterShape) -> Plan:
+    slos = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
+    if args.gpus is None:  # replicas of the size the profile's top-level models are for
+        tp = profile.tensor_parallel_size
+        base = replace(base, prefill_tp=tp, decode_tp=tp)
+        return plan(profile, requests, args.replicas, *slos, base, args.seed)
+    choices = tuple(args.tp_choices) if args.tp_choices else None
+    try:
+        return plan_gpus(profile, requests, args.gpus, *slos, choices, base, args.seed)
+    except ValueError as e:
+        raise InvalidArgument(str(e), param="tp_choices") from None
+
+
+def _sized(shape: ClusterShape, profile: Profile) -> ClusterShape:
+    """`shape` with each pool's engine limits those of the profile at its TP size."""
+    decode = shape.decode_limits or profile.at_tp(shape.decode_tp).limits
+    if shape.mode == "colocated":
+        return replace(shape, decode_limits=decode)
+    prefill = shape.prefill_limits or profile.at_tp(shape.prefill_tp).limits
+    return replace(shape, prefill_limits=prefill, decode_limits=decode)
 
 
 def _requests(args: argparse.Namespace, limits: EngineLimits):
@@ -235,10 +304,11 @@ def _requests(args: argparse.Namespace, limits: EngineLimits):
         raise InvalidArgument(str(e)) from None
 
 
-def _row(c: Candidate) -> dict:
+def _row(c: Candidate, tp: bool = False) -> dict:
     s = c.summary
     return {
-        "shape": c.shape.describe(),
+        "shape": c.shape.describe(tp),
+        "gpus": c.shape.gpus,
         "goodput_rps": s.goodput_rps,
         "attainment": s.attainment,
         "ttft_p90_s": s.ttft_s["p90"],
@@ -248,7 +318,9 @@ def _row(c: Candidate) -> dict:
     }
 
 
-def render(candidates: list[Candidate], best: Candidate) -> list[str]:
+def render(candidates: list[Candidate], best: Candidate, gpus: int | None = None) -> list[str]:
+    """A markdown table of the candidates; with `gpus`, shapes name their TP sizes and those
+    that leave GPUs idle say how many they use."""
     lines = [
         "| shape | goodput req/s | attainment | TTFT p90 ms | TPOT p90 ms | busy P / D "
         "| bottleneck |",
@@ -258,10 +330,13 @@ def render(candidates: list[Candidate], best: Candidate) -> list[str]:
         s = c.summary
         util = " / ".join(f"{s.utilization.get(p, 0):.0%}" for p in ("prefill", "decode"))
         mark = " **best**" if c is best else ""
+        if gpus is not None and c.shape.gpus < gpus:
+            mark = f" ({c.shape.gpus} GPUs){mark}"
+        shape = c.shape.describe(gpus is not None)
         lines.append(
-            f"| {c.shape.describe()}{mark} | {s.goodput_rps:.3g} | {s.attainment:.1%} | "
+            f"| {shape}{mark} | {s.goodput_rps:.3g} | {s.attainment:.1%} | "
             f"{s.ttft_s['p90'] * 1e3:.1f} | {s.tpot_s['p90'] * 1e3:.1f} | {util} | "
             f"{s.bottleneck} |"
         )
-    lines.append(f"\nbest: {best.shape.describe()}")
+    lines.append(f"\nbest: {best.shape.describe(gpus is not None)}")
     return lines

@@ -5,8 +5,9 @@ transport, router and proxy overheads. The `Simulator` replays a trace or a synt
 a cluster shape (prefill, decode or colocated replicas, each an `EngineSim` with the engine's
 scheduling rules: token budget, `max_num_seqs`, KV blocks, prefix cache) as discrete events,
 deterministic for a seed, and reports each request's TTFT, inter-token latencies and phases,
-goodput and SLO attainment. `plan` searches the splits of N replicas and writes the chosen
-shape as a Serve config (`serve_config`). At run time, opt-in, the ratio policy keeps the
+goodput and SLO attainment. `plan` searches the splits of N replicas (`plan_gpus`: of N GPUs
+among replicas of the tensor-parallel sizes the profile has) and writes the chosen shape as a
+Serve config (`serve_config`). At run time, opt-in, the ratio policy keeps the
 split right as the mix shifts: `SplitPlanner` (a Ray actor per app) decides from the pools'
 observed mix (`mix_window`, `split_decision`) and both pools' `SplitPolicy` follow it. It never
 imports torch or engine code.

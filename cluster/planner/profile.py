@@ -12,18 +12,26 @@ A step's time, in seconds:
 - a mixed step (a colocated replica, or a decode replica recomputing a preempted sequence):
   both sums, with one base (the larger).
 
-The JSON file (`save`, `load`) is versioned: `load` refuses another `version`.
+Tensor parallelism: the top-level models are one replica's at `tensor_parallel_size` ranks
+(1 unless probed at another size); `tensor_parallel` holds the models and engine limits of a
+replica at other sizes (`TPModels`), so one file plans replicas of several sizes (`at_tp`).
+The KV transfer models and overheads are shared by every size: a prompt's KV is the same bytes
+however many ranks computed it.
+
+The JSON file (`save`, `load`) is versioned: version 2 adds `tensor_parallel_size` and
+`tensor_parallel`; `load` reads 1 (one size, TP 1) and 2 and refuses any other.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 def _non_negative(owner: object) -> None:
@@ -105,6 +113,37 @@ class EngineLimits:
 
 
 @dataclass(frozen=True)
+class TPModels:
+    """One replica's step models and engine limits at `size` ranks (its KV blocks are the
+    replica's: each rank holds its heads' share of every block)."""
+
+    size: int
+    prefill: PrefillStepModel
+    decode: DecodeStepModel
+    limits: EngineLimits
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"a tensor-parallel size is an integer >= 1, got {self.size!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prefill": asdict(self.prefill),
+            "decode": asdict(self.decode),
+            "limits": asdict(self.limits),
+        }
+
+    @staticmethod
+    def from_json(size: int, raw: dict[str, Any]) -> TPModels:
+        return TPModels(
+            size,
+            PrefillStepModel(**raw["prefill"]),
+            DecodeStepModel(**raw["decode"]),
+            EngineLimits(**raw["limits"]),
+        )
+
+
+@dataclass(frozen=True)
 class Profile:
     prefill: PrefillStepModel
     decode: DecodeStepModel
@@ -114,14 +153,52 @@ class Profile:
     # Where it came from: date (ISO 8601), machine, model, how it was measured, sample counts.
     source: dict[str, Any] = field(default_factory=dict)
     version: int = PROFILE_VERSION
+    tensor_parallel_size: int = 1  # the ranks of the replica the top-level models are for
+    tensor_parallel: tuple[TPModels, ...] = ()  # other sizes, by size
 
     def __post_init__(self) -> None:
-        if self.version != PROFILE_VERSION:
+        if self.version not in READABLE_VERSIONS:
             raise ValueError(
-                f"profile version {self.version}; this pdserve reads {PROFILE_VERSION}"
+                f"profile version {self.version}; this pdserve reads {READABLE_VERSIONS}"
             )
         if not self.kv_transfer:
             raise ValueError("a profile needs at least one KV transfer model")
+        sizes = [self.tensor_parallel_size, *(m.size for m in self.tensor_parallel)]
+        if len(set(sizes)) != len(sizes) or self.tensor_parallel_size < 1:
+            raise ValueError(f"the profile's tensor-parallel sizes repeat or are < 1: {sizes}")
+
+    def tp_sizes(self) -> tuple[int, ...]:
+        """The tensor-parallel sizes this profile has models for, ascending."""
+        return tuple(sorted({self.tensor_parallel_size, *(m.size for m in self.tensor_parallel)}))
+
+    def models(self) -> tuple[TPModels, ...]:
+        """Every size's models, the top-level ones included, ascending by size."""
+        top = TPModels(self.tensor_parallel_size, self.prefill, self.decode, self.limits)
+        return tuple(sorted((top, *self.tensor_parallel), key=lambda m: m.size))
+
+    def at_tp(self, size: int) -> Profile:
+        """This profile as one replica of `size` ranks sees it: that size's models and limits at
+        the top level, the same KV transfer and overheads. ValueError if it has none."""
+        if size == self.tensor_parallel_size:
+            return self
+        for m in self.models():
+            if m.size == size:
+                rest = tuple(o for o in self.models() if o.size != size)
+                return replace(
+                    self, prefill=m.prefill, decode=m.decode, limits=m.limits,
+                    tensor_parallel_size=size, tensor_parallel=rest,
+                )  # fmt: skip
+        raise ValueError(f"the profile has no models for TP {size} (it has {self.tp_sizes()})")
+
+    def with_limits(self, **overrides: int) -> Profile:
+        """The same profile with `overrides` (EngineLimits fields) set at every size."""
+        return replace(
+            self,
+            limits=replace(self.limits, **overrides),
+            tensor_parallel=tuple(
+                replace(m, limits=replace(m.limits, **overrides)) for m in self.tensor_parallel
+            ),
+        )
 
     def transfer(self, transport: str | None = None) -> KVTransferModel:
         """The model for `transport`, or the first one."""
@@ -149,24 +226,29 @@ class Profile:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "version": self.version,
+            "version": PROFILE_VERSION,
             "source": self.source,
             "prefill": asdict(self.prefill),
             "decode": asdict(self.decode),
             "kv_transfer": [asdict(kv) for kv in self.kv_transfer],
             "overheads": asdict(self.overheads),
             "limits": asdict(self.limits),
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "tensor_parallel": {str(m.size): m.to_json() for m in self.tensor_parallel},
         }
 
     @staticmethod
     def from_json(raw: Any) -> Profile:
         if not isinstance(raw, dict):
             raise ValueError("a profile is a JSON object")
-        if raw.get("version") != PROFILE_VERSION:
+        if raw.get("version") not in READABLE_VERSIONS:
             raise ValueError(
-                f"profile version {raw.get('version')!r}; this pdserve reads {PROFILE_VERSION}"
+                f"profile version {raw.get('version')!r}; this pdserve reads {READABLE_VERSIONS}"
             )
+        if raw["version"] == 1 and ("tensor_parallel" in raw or "tensor_parallel_size" in raw):
+            raise ValueError("a version 1 profile has one size, TP 1: no tensor_parallel")
         try:
+            tp = raw.get("tensor_parallel", {})
             return Profile(
                 prefill=PrefillStepModel(**raw["prefill"]),
                 decode=DecodeStepModel(**raw["decode"]),
@@ -174,8 +256,14 @@ class Profile:
                 overheads=Overheads(**raw.get("overheads", {})),
                 limits=EngineLimits(**raw.get("limits", {})),
                 source=dict(raw.get("source", {})),
+                tensor_parallel_size=raw.get("tensor_parallel_size", 1),
+                tensor_parallel=tuple(
+                    sorted(
+                        (TPModels.from_json(int(k), v) for k, v in tp.items()), key=lambda m: m.size
+                    )
+                ),  # fmt: skip
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a pdserve profile: {e}") from None
 
     def save(self, path: str | Path) -> None:
@@ -191,3 +279,21 @@ class Profile:
             return Profile.from_json(raw)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def merge_profiles(profiles: list[Profile]) -> Profile:
+    """One profile holding every size of `profiles` (each probed at its own TP size): the
+    smallest size's profile at the top level (its KV transfer, overheads and source), the
+    others' models and limits under `tensor_parallel`. ValueError if a size repeats."""
+    if not profiles:
+        raise ValueError("nothing to merge")
+    models = [m for p in profiles for m in p.models()]
+    sizes = [m.size for m in models]
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"the profiles' tensor-parallel sizes repeat: {sorted(sizes)}")
+    base = min(profiles, key=lambda p: p.tensor_parallel_size)
+    others = tuple(sorted((m for m in models if m.size != base.tensor_parallel_size),
+                          key=lambda m: m.size))  # fmt: skip
+    sources = {str(p.tensor_parallel_size): p.source for p in profiles if p is not base}
+    source = {**base.source, "merged_tp_sources": sources} if sources else base.source
+    return replace(base, tensor_parallel=others, source=source)

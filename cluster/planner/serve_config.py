@@ -1,9 +1,10 @@
 """The Serve config file (`pdserve serve --config FILE`, `serve run FILE`) of a planned shape.
 
 From a base config (a parsed Serve config file): the same file with each pdserve
-application's `mode` and pool sizes set to the shape (a pool's `autoscaling` is dropped: the
-plan is a fixed size). Without one: a config for one machine in the style of
-`deploy/serve/local-cpu.yaml`, each engine pool with the engine limits the plan assumed.
+application's `mode`, pool sizes and `tensor_parallel_size` set to the shape (a pool's
+`autoscaling` is dropped: the plan is a fixed size). Without one: a config for one machine
+in the style of `deploy/serve/local-cpu.yaml`, each engine pool with the engine limits the
+plan assumed.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from cluster.planner.simulator import ClusterShape
 BUILDER_PATH = "cluster.serving.app:build_app"
 
 
-def _pool(replicas: int, limits: EngineLimits) -> dict[str, Any]:
+def _pool(replicas: int, tp: int, limits: EngineLimits) -> dict[str, Any]:
     return {
         "replicas": replicas,
+        "tensor_parallel_size": tp,
         "cache": {"block_size": limits.block_size, "num_blocks": limits.num_kv_blocks},
         "scheduler": {
             "max_num_seqs": limits.max_num_seqs,
@@ -45,9 +47,9 @@ def serve_config(
     if model:
         args["model"] = {"path": model}
     if shape.mode == "disaggregated":
-        args["prefill"] = _pool(shape.prefill_replicas, prefill)
+        args["prefill"] = _pool(shape.prefill_replicas, shape.prefill_tp, prefill)
         args["transfer"] = {"transport": transport or "auto"}
-    args["decode"] = _pool(shape.decode_replicas, decode)
+    args["decode"] = _pool(shape.decode_replicas, shape.decode_tp, decode)
     args["prefill" if shape.mode == "disaggregated" else "decode"]["prefix_affinity"] = (
         shape.prefix_affinity
     )
@@ -74,11 +76,11 @@ def _resized(base: dict[str, Any], shape: ClusterShape, model: str | None) -> di
         args["mode"] = shape.mode
         if model:
             args["model"] = {**(args.get("model") or {}), "path": model}
-        sizes = {"decode": shape.decode_replicas}
+        sizes = {"decode": (shape.decode_replicas, shape.decode_tp)}
         if shape.mode == "disaggregated":
-            sizes["prefill"] = shape.prefill_replicas
-        for pool, n in sizes.items():
+            sizes["prefill"] = (shape.prefill_replicas, shape.prefill_tp)
+        for pool, (n, tp) in sizes.items():
             section = args.setdefault(pool, {})
             section.pop("autoscaling", None)
-            section["replicas"] = n
+            section["replicas"], section["tensor_parallel_size"] = n, tp
     return out

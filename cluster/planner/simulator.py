@@ -13,6 +13,10 @@ they were made, so a run is the same for the same seed):
 4. optional `ScaleEvent`s change a pool's size: a new replica takes calls after
    `startup_s`, a removed one takes no more and finishes what it has.
 
+A replica of k ranks (`prefill_tp`, `decode_tp`) is one `EngineSim` stepping with the
+profile's models for size k; its KV moves in the profile's one transfer time (the same bytes at
+any size; a TP-k replica's k NICs are not modelled).
+
 Not modelled: network contention between KV transfers, the router's and proxies' CPU limits,
 token streaming, retries and failures.
 """
@@ -45,13 +49,17 @@ class ScaleEvent:
 @dataclass(frozen=True)
 class ClusterShape:
     """Replica counts and settings. Colocated: `decode_replicas` colocated replicas, no prefill
-    pool. Limits default to the profile's."""
+    pool. `prefill_tp` and `decode_tp` are each pool's tensor-parallel size (a replica's ranks:
+    it steps with the profile's models for that size, `Profile.at_tp`). Limits default to the
+    profile's at that size."""
 
     mode: str = "disaggregated"
     prefill_replicas: int = 1
     decode_replicas: int = 1
     prefill_limits: EngineLimits | None = None
     decode_limits: EngineLimits | None = None
+    prefill_tp: int = 1
+    decode_tp: int = 1  # the colocated pool's too
     prefix_affinity: bool = True
     max_imbalance: int = 2
     transport: str | None = None  # of the profile's KV transfer models; None: the first
@@ -63,11 +71,24 @@ class ClusterShape:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.decode_replicas < 1 or (self.mode == MODES[0] and self.prefill_replicas < 1):
             raise ValueError("every pool needs at least one replica")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError("a tensor-parallel size is >= 1")
 
-    def describe(self) -> str:
+    @property
+    def gpus(self) -> int:
+        """The ranks (GPUs) the shape takes."""
         if self.mode == "colocated":
-            return f"{self.decode_replicas} colocated"
-        return f"{self.prefill_replicas}P:{self.decode_replicas}D"
+            return self.decode_replicas * self.decode_tp
+        return self.prefill_replicas * self.prefill_tp + self.decode_replicas * self.decode_tp
+
+    def describe(self, tp: bool = False) -> str:
+        """`6P:4D`, `8 colocated`; with `tp` or any size > 1: `6P@TP2:4D@TP1`, `4 colocated@TP2`."""
+        tp = tp or self.prefill_tp > 1 or self.decode_tp > 1
+        d = f"@TP{self.decode_tp}" if tp else ""
+        if self.mode == "colocated":
+            return f"{self.decode_replicas} colocated{d}"
+        p = f"@TP{self.prefill_tp}" if tp else ""
+        return f"{self.prefill_replicas}P{p}:{self.decode_replicas}D{d}"
 
 
 class Simulator:
@@ -113,9 +134,11 @@ class Simulator:
     def _grow(self, pool: str, n: int, now: float) -> None:
         role = pool if self.shape.mode == "disaggregated" else "colocated"
         limits = self.shape.prefill_limits if pool == "prefill" else self.shape.decode_limits
+        tp = self.shape.prefill_tp if pool == "prefill" else self.shape.decode_tp
+        profile = self.profile.at_tp(tp)
         es = self.engines.setdefault(pool, [])
         for _ in range(n):
-            e = EngineSim(f"{pool}-{len(es)}", role, self.profile, limits or self.profile.limits)
+            e = EngineSim(f"{pool}-{len(es)}", role, profile, limits or profile.limits)
             es.append(e)
             ready = now + (self.shape.startup_s if now > 0 else 0.0)
             self._alive_s[e.name] = ready

@@ -132,8 +132,12 @@ def decide_split(profile: Profile, mix: MixObservation, search: SplitSearch) -> 
         search.seed,
     )
     summaries: dict[int, Summary] = {}
+    tp = profile.tensor_parallel_size  # replicas of the size the top-level models are for
     for p in splits:
-        shape = ClusterShape(prefill_replicas=p, decode_replicas=search.total_replicas - p)
+        shape = ClusterShape(
+            prefill_replicas=p, decode_replicas=search.total_replicas - p, prefill_tp=tp,
+            decode_tp=tp,
+        )  # fmt: skip
         result = Simulator(profile, shape, search.seed).run(requests)
         summaries[p] = result.summary(search.slo_ttft_s, search.slo_itl_s)
     best_goodput = max(s.goodput_rps for s in summaries.values())

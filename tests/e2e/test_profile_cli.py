@@ -20,6 +20,7 @@ def test_profile_fits_the_running_app_and_plan_reads_it(apps, tokenizer_model_di
     assert profile.limits.max_num_batched_tokens == 512
     assert profile.kv_transfer[0].transport in ("grpc", "nixl")
     assert profile.source["machine"] == "ci" and profile.source["decode_samples"] >= 8
+    assert profile.tensor_parallel_size == 1 == profile.source["tensor_parallel_size"]
     # a longer prompt takes longer; a decode step takes time
     assert profile.prefill.time(1024, 1024 * 512) > profile.prefill.time(16, 136)
     assert profile.decode.time(1, 40) > 0

@@ -45,7 +45,7 @@ class DecodeWorker(EngineReplica):
             self.engine.device,
             self.engine.kv_pool,
             ranks,
-            getattr(self, "replica_secret", b""),
+            self.replica_secret,
         )
         self.tokens = TokenSender()
 

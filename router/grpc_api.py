@@ -155,6 +155,10 @@ def stats_to_proto(stats: ClusterStats) -> pb.ClusterStats:
                 dtype=s.dtype,
                 tensor_parallel_size=s.tensor_parallel_size,
                 state=s.state,
+                ranks=[
+                    pb.RankPlace(rank=r.rank, node_id=r.node_id, node_ip=r.node_ip, pid=r.pid)
+                    for r in s.ranks
+                ],
             )
             for s in stats.replicas
         ],

@@ -33,7 +33,7 @@ from cluster.serving.app_config import AppConfig
 from cluster.serving.autoscaling import DECODE_TARGETS, PREFILL_TARGETS, AutoscalingSettings
 from cluster.serving.cpu_affinity import cpu_list_arg, format_cpu_list, reserve_for_engines
 from cluster.serving.gpu_placement import ClusterView, place_gpus
-from cluster.serving.placement import check_fits, local_cpus, wait_running
+from cluster.serving.placement import check_fits, check_tp_groups, local_cpus, wait_running
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,9 +109,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_autoscaling_arguments(p: argparse.ArgumentParser) -> None:
-    scale = p.add_argument_group(
-        "autoscaling (a pool autoscales once either of its bounds is given)"
-    )
+    scale = p.add_argument_group("autoscaling (a pool autoscales once either bound is given)")
     for pool in ("prefill", "decode"):
         for bound in ("min", "max"):
             scale.add_argument(
@@ -244,8 +242,11 @@ def _file_apps(path: Path) -> dict[str, AppConfig | None]:
 def place_apps(apps: dict[str, AppConfig | None], view: ClusterView) -> dict[str, AppConfig | None]:
     """Each pdserve app with its engine pools' GPUs decided from `view`, the nodes of the
     cluster just started or joined (`gpu_placement.place_gpus`), not from this machine: from a
-    CPU-only head, engine pools with device auto ask for the GPUs of the engine nodes."""
-    return {name: None if c is None else place_gpus(c, view) for name, c in apps.items()}
+    CPU-only head, engine pools with device auto ask for the GPUs of the engine nodes. A
+    tensor-parallel replica no node of `view` can hold is refused (`check_tp_groups`)."""
+    placed = {name: None if c is None else place_gpus(c, view) for name, c in apps.items()}
+    check_tp_groups([c for c in placed.values() if c is not None], view)
+    return placed
 
 
 def _reserve_engine_cores(args: argparse.Namespace) -> None:

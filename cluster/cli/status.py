@@ -1,9 +1,10 @@
 """`pdserve status`: a running cluster's pools (replicas now and targeted, bounds, load), its
 engine replicas (device and dtype as each decided them, tensor parallel size, KV blocks,
 sequences, queued prompt tokens, tokens generated; "loading" while one's engine starts, a hub
-model downloading into its node's cache) and its router replicas (their direct gRPC
-endpoints), as three tables, and the ratio policy's split and its latest changes when the
-app runs one; or, with `--json`, as one JSON object; `--watch` refreshes until Ctrl-C."""
+model downloading into its node's cache), where each replica's ranks run (node and pid) and its
+router replicas (their direct gRPC endpoints), as four tables, and the ratio policy's split and
+its latest changes when the app runs one; or, with `--json`, as one JSON object; `--watch`
+refreshes until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def status_json(snapshot: Snapshot) -> dict[str, Any]:
 
 
 def render(snapshot: Snapshot) -> list[str]:
-    """The tables, as lines: pools, engine replicas, and the routers when any is listed."""
+    """The tables, as lines: pools, engine replicas, their ranks' nodes and pids when any is
+    listed, and the routers when any is listed."""
     info, stats = snapshot.info, snapshot.stats
     transport = f"  kv transport {stats.kv_transport}" if stats.kv_transport else ""
     lines = [f"model {info.model_id}  mode {info.mode}  block_size {info.block_size}{transport}"]
@@ -170,6 +172,14 @@ def render(snapshot: Snapshot) -> list[str]:
         if r.pool != ROUTER_POOL
     ]
     lines += [""] + _table(header, rows)
+    ranks = [
+        (r.replica_id, p.rank, p.node_ip or "-", p.pid, p.node_id or "-")
+        for r in stats.replicas
+        if r.pool != ROUTER_POOL
+        for p in r.ranks  # none while loading, nor from a server from before the field
+    ]
+    if ranks:
+        lines += [""] + _table(("replica", "rank", "node ip", "pid", "node id"), ranks)
     if stats.HasField("ratio_policy"):
         lines += [""] + ratio_policy_lines(stats.ratio_policy)
     routers = [

@@ -3,8 +3,9 @@
 Serve never gives up on a replica it cannot place: it logs that the replica "has taken more than
 30s to be scheduled" and waits, forever. `pdserve serve` instead sizes the local Ray it starts
 for the replicas asked for (`local_cpus`), refuses at once what that Ray cannot hold
-(`check_fits`: GPUs, custom resources) and waits a bounded time for every application to run
-(`wait_running`), ending with a message that names the pool, what one replica needs and what
+(`check_fits`: GPUs, custom resources), refuses a tensor-parallel replica that no node can hold
+(`check_tp_groups`: its ranks share one node) and waits a bounded time for every application to
+run (`wait_running`), ending with a message that names the pool, what one replica needs and what
 the cluster has.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from cluster.errors import FailedPrecondition, ResourceExhausted
 from cluster.serving.app import deployment_pools
 from cluster.serving.app_config import AppConfig
+from cluster.serving.gpu_placement import ClusterView
 
 # A local Ray gets at least this many logical CPUs, so the three deployments fit a small
 # machine (Ray's CPUs are a count for placement, not a limit on threads).
@@ -28,17 +30,21 @@ MIN_LOCAL_CPUS = 4
 @dataclass(frozen=True)
 class Demand:
     """What one deployment asks of the cluster: `replicas` (its most, when autoscaling) of
-    `per_replica` Ray resources each."""
+    `per_replica` Ray resources each, all on one node when the replica spans
+    `tensor_parallel_size` > 1 ranks."""
 
     app: str
     deployment: str
     pool: str
     replicas: int
     per_replica: dict[str, float]
+    tensor_parallel_size: int = 1
 
     def describe(self) -> str:
         each = _format(self.per_replica)
-        return f"pool {self.pool} (deployment {self.deployment}): {self.replicas} x {each}"
+        k = self.tensor_parallel_size
+        ranks = f" (tensor_parallel_size {k}: {k} ranks on one node)" if k > 1 else ""
+        return f"pool {self.pool} (deployment {self.deployment}): {self.replicas} x {each}{ranks}"
 
 
 def demands(config: AppConfig) -> list[Demand]:
@@ -53,7 +59,7 @@ def demands(config: AppConfig) -> list[Demand]:
         gpus = pool.num_gpus if pool.num_gpus == "auto" else pool.num_gpus * k
         per = {"CPU": pool.num_cpus * k, "GPU": gpus, **dict(pool.resources)}
         per = {k: float(v) for k, v in per.items() if v and v != "auto"}
-        out.append(Demand(config.name, name, pool_name, size, per))
+        out.append(Demand(config.name, name, pool_name, size, per, k))
     return out
 
 
@@ -79,6 +85,25 @@ def check_fits(configs: list[AppConfig], cluster: Mapping[str, float]) -> None:
             askers = "; ".join(d.describe() for d in all_demands if key in d.per_replica)
             raise ResourceExhausted(
                 f"{askers}: {need:g} {key} in all, the cluster has {_format(_known(cluster))}"
+            )
+
+
+def check_tp_groups(configs: list[AppConfig], view: ClusterView) -> None:
+    """Refuse a pool whose tensor-parallel replicas no live node can hold: a replica's k ranks'
+    bundles are placed on one node (STRICT_PACK), so some node with the pool's custom resources
+    must have k ranks' CPUs and GPUs at once (Serve would wait for one forever). The message
+    names the pool, k, what one replica needs and what those nodes have. Where no live node has
+    the pool's custom resources yet nothing is refused (an autoscaler may add one), as
+    `gpu_placement.engine_gpus` takes GPUs on trust there."""
+    for d in (d for c in configs for d in demands(c) if d.tensor_parallel_size > 1):
+        custom = {k: v for k, v in d.per_replica.items() if k not in ("CPU", "GPU")}
+        hosts = view.hosts(custom)
+        if hosts and not view.hosts(d.per_replica):
+            on = f" with {_format(custom)}" if custom else ""
+            raise ResourceExhausted(
+                f"pool {d.pool}: a replica of tensor_parallel_size {d.tensor_parallel_size} "
+                f"needs {_format(d.per_replica)} on one node (a bundle per rank, STRICT_PACK), "
+                f"but no node of {view.where}{on} has that: {view.describe(hosts)}"
             )
 
 

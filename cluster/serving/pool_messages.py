@@ -50,6 +50,18 @@ class WorkerChunk:
     prefill_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one tensor-parallel rank of an engine replica runs: its Ray node (id and IP as Ray
+    knows them; empty outside Ray) and its process id. Rank 0 is the replica's own process;
+    ranks 1..k-1 are processes it started, so on its node."""
+
+    rank: int
+    node_id: str
+    node_ip: str
+    pid: int
+
+
 # `ReplicaStats.state`: the replica serves, or its engine is still starting.
 READY, LOADING = "ready", "loading"
 
@@ -61,7 +73,8 @@ class ReplicaStats:
     expired); `kv_endpoint`, on prefill replicas: the KV server's "host:port" (where a router
     sends `CancelPrefill`); `device` and `dtype`: where and in what the replica's engine runs,
     as it decided them ("auto" is decided by each replica, `replica_device`);
-    `tensor_parallel_size`: the ranks its engine spans (0 on router replicas); `prompt_tokens`:
+    `tensor_parallel_size`: the ranks its engine spans (0 on router replicas); `ranks`: where
+    each runs (`RankPlace`, rank 0 first; empty while loading); `prompt_tokens`:
     the tokens of the prompts it prefilled so far (prefill replicas; the ratio policy's mix). A
     router replica reports itself too (pool "router", every figure 0, no device):
     `grpc_endpoint` is where it serves `pdserve.v1.Generation` without Serve's proxy. `state`:
@@ -87,3 +100,4 @@ class ReplicaStats:
     tensor_parallel_size: int = 0
     state: str = "ready"  # READY or LOADING
     prompt_tokens: int = 0
+    ranks: tuple[RankPlace, ...] = ()

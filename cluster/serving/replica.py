@@ -28,7 +28,7 @@ from cluster.serving.loading_report import LoadingReport
 from cluster.serving.metered_engine import EngineTotals, MeteredEngine
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.pool_load import LoadSignals
-from cluster.serving.pool_messages import ReplicaStats
+from cluster.serving.pool_messages import RankPlace, ReplicaStats
 from cluster.serving.replica_device import on_replica
 from cluster.serving.stats_line import StatsLine
 from cluster.serving.stats_registry import REPORT_INTERVAL_S, registry
@@ -85,6 +85,8 @@ class EngineReplica:
         # mask back, and starts the output thread. Listed as loading meanwhile (a hub model's
         # download, the weights' load).
         self.tp: TPReplica | None = None
+        # A disaggregated TP replica's secret with its ranks' KV servers (`_rank_service`).
+        self.replica_secret = b""
         try:
             with (
                 LoadingReport(self.registry, pool, self.replica_id, tensor_parallel_size=k),
@@ -104,6 +106,7 @@ class EngineReplica:
         if cores:
             log.info("%s engine thread pinned to cores %s", pool, format_cpu_list(cores))
         self.layout = self.engine.layout
+        self.ranks = rank_places(self.tp)
         transport = "" if config.mode == "colocated" else config.transfer.transport
         self.metrics = PoolMetrics(pool, served_model_name(config.model), transport)
         self.stats_line = StatsLine(pool, EngineTotals(time.monotonic()))
@@ -144,6 +147,7 @@ class EngineReplica:
             self.pool, self.replica_id, **figures, updated_at=time.time(),
             device=self.device, dtype=self.dtype,
             tensor_parallel_size=self.tensor_parallel_size, prompt_tokens=prompt_tokens,
+            ranks=self.ranks,
         )  # fmt: skip
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -235,6 +239,19 @@ class EngineReplica:
         if self.tp is not None:
             await asyncio.to_thread(self.tp.close)
         self.metrics.flush()  # the values batched on the loop
+
+
+def rank_places(tp: TPReplica | None) -> tuple[RankPlace, ...]:
+    """Where a replica's ranks run: this process (rank 0) and, at TP > 1, the follower
+    processes `tp` started, children of this one and so on its node; the node as Ray knows
+    it (empty outside Ray)."""
+    node_id = node_ip = ""
+    if _in_actor():
+        import ray
+
+        node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    pids = [os.getpid()] + ([] if tp is None else [p.pid for p in tp.followers])
+    return tuple(RankPlace(rank, node_id, node_ip, pid) for rank, pid in enumerate(pids))
 
 
 def _in_actor() -> bool:

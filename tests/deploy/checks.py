@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_UP_CONFIGS = sorted(DEPLOY.glob("*/cluster.yaml"))
 SERVE_CONFIGS = sorted((DEPLOY / "serve").glob("*.yaml"))
 PRODUCTION = DEPLOY / "serve" / "production.yaml"
+PRODUCTION_70B = DEPLOY / "serve" / "production-70b.yaml"
 KUBERAY = DEPLOY / "kuberay" / "rayservice.yaml"
 RAY_SCHEMA = Path(ray.autoscaler.__file__).parent / "ray-schema.json"
 # The AppConfig pool each deployment is built from (cluster/serving/app.py).
@@ -41,6 +43,39 @@ ENGINE_DEPLOYMENTS = ("Prefill", "Decode", "Colocated")
 
 def load(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
+
+
+# The config.json of meta-llama/Llama-3.1-70B-Instruct, its shape: what building an app of
+# tensor-parallel pools reads (`check_tp_split`), where the file's placeholder path has nothing.
+LLAMA_31_70B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+    "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "num_hidden_layers": 80, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+}  # fmt: skip
+STAND_INS = {"Llama-3.1-70B-Instruct": LLAMA_31_70B}
+
+
+def with_stand_in_models(raw: dict[str, Any], root: Path) -> dict[str, Any]:
+    """`raw` with each application's model path that is not here and that `STAND_INS` names
+    pointed at a stand-in under `root`: the checkpoint's config.json and a weight file with no
+    tensors (enough to describe the model, not to load it)."""
+    raw = copy.deepcopy(raw)
+    for app in raw["applications"]:
+        model = app["args"].get("model") or {}  # none: the builder's default
+        path = Path(model.get("path", ""))
+        if path.exists() or path.name not in STAND_INS:
+            continue
+        stand_in = root / path.name
+        stand_in.mkdir(parents=True, exist_ok=True)
+        (stand_in / "config.json").write_text(json.dumps(STAND_INS[path.name]))
+        header = b'{"__metadata__":{}}'
+        (stand_in / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+        model["path"] = str(stand_in)
+    return raw
 
 
 def app_config_of(args: dict[str, Any]) -> AppConfig:
@@ -201,6 +236,10 @@ def check_pools_fit(raw_serve: dict[str, Any], head: NodeType, workers: list[Nod
             if name in ENGINE_DEPLOYMENTS:
                 assert opts["num_gpus"] >= 1, f"{name} runs without a GPU"
             demand = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **pool_resources}
+            bundles = getattr(args, pool).serve_placement().get("placement_group_bundles")
+            if bundles and "ray_actor_options" not in dep:
+                # Tensor parallel: one bundle per rank, all on one node (STRICT_PACK).
+                demand = {r: sum(b.get(r, 0) for b in bundles) for r in {*demand, *bundles[0]}}
             demand = {r: v for r, v in demand.items() if v > 0}
             for r in pool_resources:
                 assert r not in head.resources, f"the head provides {r}"

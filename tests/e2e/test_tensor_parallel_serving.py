@@ -2,8 +2,9 @@
 its deployment reserves a STRICT_PACK placement group of one bundle per rank, the replica's
 engine is rank 0 of a `TPReplica` whose other rank is a process of the replica's own, and
 concurrent greedy requests through the router equal transformers' `generate(do_sample=False)`
-on the same checkpoint. Afterwards no KV block is used, `GetStats` lists the replica's TP size,
-and once the app is deleted no follower process is left."""
+on the same checkpoint. Afterwards no KV block is used, `GetStats` lists the replica's TP size
+and both ranks (rank 0 the replica's process, rank 1 its child, both alive, on the replica's
+node), and once the app is deleted no follower process is left."""
 
 from __future__ import annotations
 
@@ -38,11 +39,33 @@ def _ppid(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def _replicas() -> set[int]:
+    """The pids of the app's replica actors."""
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return {p for p in pids if f"ServeReplica:{APP}:Colocated" in _cmdline(p)}
+
+
 def _followers() -> dict[int, int]:
     """pid -> parent pid of every multiprocessing-spawned process of the app's replicas."""
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    replicas = {p for p in pids if f"ServeReplica:{APP}:Colocated" in _cmdline(p)}
+    replicas = _replicas()
     return {p: _ppid(p) for p in pids if "spawn_main" in _cmdline(p) and _ppid(p) in replicas}
+
+
+def _assert_ranks_placed(replica: pb.ReplicaStats, followers: dict[int, int]) -> None:
+    """GetStats' ranks: rank 0 the replica's actor, rank 1.. its children, alive, all on the
+    replica's node (the one local Ray node)."""
+    import ray
+
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    assert [r.rank for r in replica.ranks] == list(range(TP))
+    assert {(r.node_id, r.node_ip) for r in replica.ranks} == {
+        (node["NodeID"], node["NodeManagerAddress"])
+    }
+    leader, *rest = (r.pid for r in replica.ranks)
+    assert leader in _replicas() and _alive(leader)
+    assert {p: followers.get(p) for p in rest} == dict.fromkeys(rest, leader)
+    assert all(_alive(p) for p in rest)
 
 
 def _alive(pid: int) -> bool:
@@ -81,6 +104,7 @@ def test_colocated_tp2_serves_transformers_greedy_tokens(ray_serve, tokenizer_mo
         (replica,) = wait_for_idle(ray_serve, APP, {"colocated"})
         assert replica.kv_blocks_used == 0 and replica.running == 0
         assert replica.tensor_parallel_size == TP
+        _assert_ranks_placed(replica, followers)
     finally:
         serve.delete(APP)
     deadline = time.monotonic() + 30

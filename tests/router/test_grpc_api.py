@@ -11,7 +11,7 @@ import pytest
 from cluster.errors import InvalidArgument, NotFound
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.request import TokenLogprobs
-from cluster.serving.pool_messages import ReplicaStats
+from cluster.serving.pool_messages import RankPlace, ReplicaStats
 from router.generation_chunk import GenerationChunk, Usage
 from router.grpc_api import chunk_to_proto, model_info_to_proto, request_from_proto, stats_to_proto
 from router.pool_status import ClusterStats, PoolStatus
@@ -92,7 +92,15 @@ def test_stats_fill_pools_and_replicas():
         2,
     )
     assert (r.running, r.waiting, r.queued_prompt_tokens, r.kv_blocks_cached) == (3, 1, 40, 5)
-    assert r.grpc_endpoint == ""
+    assert r.grpc_endpoint == "" and not r.ranks
+
+
+def test_stats_carry_where_each_tp_rank_runs():
+    places = (RankPlace(0, "n" * 56, "10.0.0.7", 4100), RankPlace(1, "n" * 56, "10.0.0.7", 4101))
+    replica = ReplicaStats("decode", "d0", 8, 0, 0, 0, 0, 0, tensor_parallel_size=2, ranks=places)
+    (r,) = stats_to_proto(ClusterStats((), (replica,))).replicas
+    got = [(p.rank, p.node_id, p.node_ip, p.pid) for p in r.ranks]
+    assert got == [(0, "n" * 56, "10.0.0.7", 4100), (1, "n" * 56, "10.0.0.7", 4101)]
 
 
 def test_stats_list_a_router_replica_with_its_direct_endpoint():

@@ -237,3 +237,26 @@ def test_status_shows_each_engine_replicas_device_dtype_and_tp_size():
         "cpu", "float32", "cuda", "bfloat16"
     )  # fmt: skip
     assert d1["tensor_parallel_size"] == 2
+
+
+def test_status_lists_where_each_tp_rank_runs():
+    shot = snapshot()
+    node = "ab" * 28
+    places = [pb.RankPlace(rank=r, node_id=node, node_ip="10.0.0.7", pid=4100 + r) for r in (0, 1)]
+    shot.stats.replicas.append(
+        pb.ReplicaStats(pool="decode", replica_id="d1", tensor_parallel_size=2, ranks=places)
+    )
+    shot.stats.replicas.append(pb.ReplicaStats(pool="router", replica_id="rt0"))
+    lines = render(shot)
+    at = lines.index(next(line for line in lines if line.startswith("replica ")))
+    assert lines[at].split() == ["replica", "rank", "node", "ip", "pid", "node", "id"]
+    assert lines[at + 1].split() == ["d1", "0", "10.0.0.7", "4100", node]
+    assert lines[at + 2].split() == ["d1", "1", "10.0.0.7", "4101", node]
+    assert lines[at + 3] == ""  # then the routers' table; r1 (no ranks reported) has no row
+    (_, d1, _) = strict_json(json.dumps(status_json(shot)))["replicas"]
+    assert d1["ranks"][1] == {"rank": 1, "node_id": node, "node_ip": "10.0.0.7", "pid": 4101}
+
+
+def test_status_lists_no_rank_table_when_no_replica_reports_ranks():
+    lines = render(snapshot())  # r1 as a replica still loading (or an older server) reports it
+    assert not [line for line in lines if line.startswith("replica ")]

@@ -119,3 +119,20 @@ def test_serve_address_auto_from_a_cpu_head_asks_the_engine_nodes_gpus(monkeypat
     # The same flags on an all-CPU cluster: the engines ask for none, and run on the CPU.
     (cpu_only,) = place_apps(apps, ClusterView((HEAD, {"CPU": 16.0}))).values()
     assert (cpu_only.prefill.num_gpus, cpu_only.decode.num_gpus) == (0.0, 0.0)
+
+
+def test_serve_refuses_a_tp_replica_no_node_can_hold_before_deploying():
+    from cluster.errors import ResourceExhausted
+    from cluster.serving.gpu_placement import ClusterView
+
+    args = flags("--address", "auto", "--model", "/models/m", "--mode", "colocated", "-tp", "4")
+    apps = _flag_app(args)
+    four = {"CPU": 16.0, "GPU": 4.0}
+    (config,) = place_apps(apps, ClusterView((HEAD, four))).values()  # 4 GPUs on one node: fits
+    assert config.decode.num_gpus == 1.0
+    with pytest.raises(ResourceExhausted) as e:  # 4 GPUs in all, 2 a node
+        place_apps(apps, ClusterView((HEAD, {"CPU": 16.0, "GPU": 2.0}, {"CPU": 16.0, "GPU": 2.0})))
+    assert e.value.message.startswith(
+        "pool decode: a replica of tensor_parallel_size 4 needs {CPU: 4, GPU: 4} on one node"
+    )
+    assert "has that: 3 nodes: 1 x {CPU: 8}, 2 x {CPU: 16, GPU: 2}" in e.value.message

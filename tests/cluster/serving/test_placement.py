@@ -9,7 +9,14 @@ from cluster.config import ModelConfig
 from cluster.errors import ResourceExhausted
 from cluster.serving.app_config import AppConfig, PoolConfig
 from cluster.serving.autoscaling import AutoscalingSettings
-from cluster.serving.placement import MIN_LOCAL_CPUS, check_fits, demands, local_cpus
+from cluster.serving.gpu_placement import ClusterView
+from cluster.serving.placement import (
+    MIN_LOCAL_CPUS,
+    check_fits,
+    check_tp_groups,
+    demands,
+    local_cpus,
+)
 
 MODEL = ModelConfig("/models/m")
 
@@ -58,3 +65,33 @@ def test_a_custom_resource_the_cluster_lacks_is_refused():
     config = AppConfig(MODEL, decode=PoolConfig(resources=(("decode_pool", 1.0),)))
     with pytest.raises(ResourceExhausted, match=r"pool decode .*decode_pool: 1.*1 decode_pool"):
         check_fits([config], {"CPU": 8.0})
+
+
+def tp_app(k: int, **pool) -> AppConfig:
+    return AppConfig(MODEL, mode="colocated", decode=PoolConfig(tensor_parallel_size=k, **pool))
+
+
+def test_a_tp_replica_no_node_can_hold_is_refused_naming_pool_k_and_nodes():
+    # 8 CPUs in all, but a TP 4 replica of 3 CPUs a rank needs 12 on one node
+    small = ClusterView(({"CPU": 4.0, "memory": 1e9}, {"CPU": 4.0}))
+    with pytest.raises(ResourceExhausted) as e:
+        check_tp_groups([tp_app(4, num_cpus=3.0, num_gpus=0.0)], small)
+    assert e.value.message == (
+        "pool decode: a replica of tensor_parallel_size 4 needs {CPU: 12} on one node (a bundle "
+        "per rank, STRICT_PACK), but no node of the cluster has that: 2 nodes: 2 x {CPU: 4}"
+    )
+    # GPUs: 8 in the cluster, 4 a node; a TP 8 replica of one GPU a rank fits on none
+    gpus = ClusterView(({"CPU": 64.0, "GPU": 4.0},) * 2)
+    with pytest.raises(ResourceExhausted, match=r"tensor_parallel_size 8 needs \{CPU: 8, GPU: 8\}"):
+        check_tp_groups([tp_app(8, num_gpus=1.0)], gpus)
+    check_tp_groups([tp_app(4, num_gpus=1.0)], gpus)  # 4 ranks' GPUs on one node: fits
+    check_tp_groups([tp_app(1, num_cpus=16.0, num_gpus=0.0)], small)  # TP 1: check_fits' job
+
+
+def test_a_tp_replica_counts_only_the_nodes_with_its_custom_resources():
+    pool = {"num_gpus": 1.0, "resources": (("decode_gpu", 1.0),)}
+    view = ClusterView(({"CPU": 8.0}, {"CPU": 96.0, "GPU": 2.0, "decode_gpu": 1.0}))
+    with pytest.raises(ResourceExhausted, match=r"no node of the cluster with \{decode_gpu: 1\}"):
+        check_tp_groups([tp_app(4, **pool)], view)
+    # No live node has the resource yet: an autoscaler may add one, so nothing is refused.
+    check_tp_groups([tp_app(4, **pool)], ClusterView(({"CPU": 8.0},)))

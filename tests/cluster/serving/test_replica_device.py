@@ -6,6 +6,7 @@ it decided in its stats (`GetStats`, `pdserve status`)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,8 @@ from cluster.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS, EngineConfig,
 from cluster.serving import replica_device
 from cluster.serving.app_config import AppConfig
 from cluster.serving.metered_engine import MeteredEngine
-from cluster.serving.replica import _ENGINE_FIGURES, EngineReplica
+from cluster.serving.pool_messages import RankPlace
+from cluster.serving.replica import _ENGINE_FIGURES, EngineReplica, rank_places
 from cluster.serving.replica_device import on_replica, ray_granted_gpus
 
 
@@ -94,6 +96,7 @@ def test_the_replicas_stats_carry_its_device_dtype_and_tp_size():
     replica.pool, replica.replica_id = "decode", "d0"
     replica.device, replica.dtype = "cuda", "bfloat16"
     replica.tensor_parallel_size = 2
+    replica.ranks = rank_places(SimpleNamespace(followers=[SimpleNamespace(pid=4242)]))
     figures = SimpleNamespace(**dict.fromkeys(_ENGINE_FIGURES, 0))
 
     async def call(fn):
@@ -103,3 +106,5 @@ def test_the_replicas_stats_carry_its_device_dtype_and_tp_size():
     stats = asyncio.run(replica.stats())
     assert (stats.pool, stats.device, stats.dtype) == ("decode", "cuda", "bfloat16")
     assert stats.tensor_parallel_size == 2
+    # Outside Ray no node is known; rank 0 is this process, rank 1 the follower it started.
+    assert stats.ranks == (RankPlace(0, "", "", os.getpid()), RankPlace(1, "", "", 4242))

@@ -245,7 +245,7 @@ class LoadSignal(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., target_per_replica: _Optional[float] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("pool", "replica_id", "kv_blocks_total", "kv_blocks_used", "kv_blocks_leased", "running", "waiting", "queued_prompt_tokens", "kv_blocks_cached", "generated_tokens", "grpc_endpoint", "device", "dtype", "state", "tensor_parallel_size")
+    __slots__ = ("pool", "replica_id", "kv_blocks_total", "kv_blocks_used", "kv_blocks_leased", "running", "waiting", "queued_prompt_tokens", "kv_blocks_cached", "generated_tokens", "grpc_endpoint", "device", "dtype", "state", "tensor_parallel_size", "ranks")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class ReplicaStats(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     replica_id: str
     kv_blocks_total: int
@@ -276,4 +277,17 @@ class ReplicaStats(_message.Message):
     dtype: str
     state: str
     tensor_parallel_size: int
-    def __init__(self, pool: _Optional[str] = ..., replica_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_leased: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., grpc_endpoint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., state: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankPlace]
+    def __init__(self, pool: _Optional[str] = ..., replica_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_leased: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., grpc_endpoint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., state: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankPlace, _Mapping]]] = ...) -> None: ...
+
+class RankPlace(_message.Message):
+    __slots__ = ("rank", "node_id", "node_ip", "pid")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_id: str
+    node_ip: str
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...

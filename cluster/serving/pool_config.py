@@ -116,9 +116,9 @@ class PoolConfig(DeploymentConfig):
     torch's default; `max_ongoing_requests` 0 = the scheduler's `max_num_seqs`.
 
     `tensor_parallel_size` k > 1: each replica's engine spans k ranks (`TPReplica`: rank 0 in
-    the replica's process, ranks 1..k-1 processes it starts on its node). `num_cpus` and
-    `num_gpus` are then each rank's: the deployment reserves one placement-group bundle per rank,
-    all on one node (`serve_placement`)."""
+    the replica's process, ranks 1..k-1 Ray actors it starts in its placement group's bundles).
+    `num_cpus` and `num_gpus` are then each rank's: the deployment reserves one placement-group
+    bundle per rank, all on one node (`serve_placement`)."""
 
     num_gpus: float | Literal["auto"] = "auto"
     tensor_parallel_size: int = 1
@@ -175,27 +175,19 @@ class PoolConfig(DeploymentConfig):
     def ongoing_limit(self) -> int:
         return self.max_ongoing_requests or self.scheduler.max_num_seqs
 
-    def actor_options(self) -> dict[str, Any]:
-        """The replica's own actor: rank 0's CPUs, and at TP > 1 every rank's GPUs (the follower
-        processes it starts see only the GPUs Ray granted it, `cuda:rank` each)."""
-        opts = super().actor_options()
-        if self.tensor_parallel_size > 1 and self.num_gpus not in ("auto", 0):
-            opts["num_gpus"] = float(self.num_gpus) * self.tensor_parallel_size
-        return opts
-
     def serve_placement(self) -> dict[str, Any]:
-        """At TP k > 1: a placement group per replica of k bundles, one per rank, STRICT_PACK
-        (one node: the ranks talk over loopback). Serve places the replica's actor in the
-        first bundle, which therefore also holds the actor's GPUs (all k ranks') and custom
-        resources; the other bundles reserve each follower's CPUs."""
+        """At TP k > 1: a placement group per replica of k bundles, one per rank, each with a
+        rank's CPUs and GPU, STRICT_PACK (one node). Serve places the replica's actor (rank 0)
+        in the first bundle, which also holds the pool's custom resources; each other rank is a
+        Ray actor the replica starts in its own bundle (`cluster.engine.tp_launch.BundleRanks`)."""
         k = self.tensor_parallel_size
         if k == 1:
             return {}
-        first = self.actor_options()
-        gpus = first["num_gpus"]
-        bundle0 = {"CPU": self.num_cpus, **({"GPU": gpus} if gpus else {}), **dict(self.resources)}
+        gpus = self.actor_options()["num_gpus"]  # "auto" until the app is resolved
+        gpus = gpus if gpus == "auto" else float(gpus)
+        rank = {"CPU": self.num_cpus, **({"GPU": gpus} if gpus else {})}
         return {
-            "placement_group_bundles": [bundle0] + [{"CPU": self.num_cpus}] * (k - 1),
+            "placement_group_bundles": [{**rank, **dict(self.resources)}] + [rank] * (k - 1),
             "placement_group_strategy": TP_STRATEGY,
         }
 

@@ -20,6 +20,7 @@ import torch
 from cluster.config import EngineConfig, resolve_host
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import EngineStats
+from cluster.engine.tp_launch import BundleRanks
 from cluster.engine.tp_replica import TPReplica
 from cluster.kv_transfer.transport_factory import make_rank_service
 from cluster.serving.app_config import AppConfig
@@ -116,14 +117,17 @@ class EngineReplica:
 
     def _build_engine(self, config: EngineConfig) -> MeteredEngine:
         """The replica's engine: in this process at TP 1; at TP k > 1 rank 0's, its other ranks
-        in processes of their own on this node (`TPReplica`, closed by `_shutdown`)."""
-        if self.tensor_parallel_size == 1:
+        as Ray actors in the bundles of its placement group (`BundleRanks`; local processes
+        where it has none: outside Serve), closed by `_shutdown` (`TPReplica`)."""
+        k = self.tensor_parallel_size
+        if k == 1:
             return MeteredEngine(config)
         self.tp = TPReplica(
             config,
-            self.tensor_parallel_size,
+            k,
             engine_class=MeteredEngine,
             rank_service=self._rank_service(),
+            launcher=BundleRanks.of_current_group(k),
         )
         assert isinstance(self.tp.engine, MeteredEngine)
         return self.tp.engine
@@ -242,16 +246,18 @@ class EngineReplica:
 
 
 def rank_places(tp: TPReplica | None) -> tuple[RankPlace, ...]:
-    """Where a replica's ranks run: this process (rank 0) and, at TP > 1, the follower
-    processes `tp` started, children of this one and so on its node; the node as Ray knows
-    it (empty outside Ray)."""
+    """Where a replica's ranks run: this process (rank 0) and, at TP > 1, each follower `tp`
+    started (a Ray actor in its bundle, which says its node; a local process: this node); the
+    node as Ray knows it (empty outside Ray)."""
     node_id = node_ip = ""
     if _in_actor():
         import ray
 
         node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    pids = [os.getpid()] + ([] if tp is None else [p.pid for p in tp.followers])
-    return tuple(RankPlace(rank, node_id, node_ip, pid) for rank, pid in enumerate(pids))
+    places = [RankPlace(0, node_id, node_ip, os.getpid())]
+    for rank, p in enumerate([] if tp is None else tp.followers, start=1):
+        places.append(RankPlace(rank, p.node_id or node_id, p.node_ip or node_ip, p.pid))
+    return tuple(places)
 
 
 def _in_actor() -> bool:

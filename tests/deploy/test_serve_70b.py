@@ -75,7 +75,7 @@ def test_llama_70b_splits_over_4_ranks_in_both_pools(tmp_path):
     check_tp_split(config.model, 4, 4)
     assert (
         config.prefill.serve_placement()["placement_group_bundles"]
-        == [{"CPU": 8.0, "GPU": 4.0, "prefill_pool": 1.0}] + [{"CPU": 8.0}] * 3
+        == [{"CPU": 8.0, "GPU": 1.0, "prefill_pool": 1.0}] + [{"CPU": 8.0, "GPU": 1.0}] * 3
     )
     with pytest.raises(ConfigError, match="KV moves between TP sizes"):  # TP 8: not offered
         replace(config, decode=replace(config.decode, tensor_parallel_size=8))

@@ -1,9 +1,10 @@
 """A tensor-parallel rank dies mid-stream, no request fails: an app with a prefill TP 1 pool and
 two decode replicas of TP 2 each; under 12 concurrent greedy streams one decode replica's rank
-1 (a process of that replica's own) is killed with SIGKILL. The replica's next step fails (its
-collective's peer is gone, not a hang), its engine reports the fault, its streams migrate to
-the other replica, and every stream ends with transformers' tokens. Serve then replaces the
-whole replica (its health check fails), and every KV block and lease returns to zero."""
+1 (a Ray actor in that replica's placement group) is killed with SIGKILL. The replica's next
+step fails (its collective's peer is gone, not a hang), its engine reports the fault, its
+streams migrate to the other replica, and every stream ends with transformers' tokens. Serve
+then replaces the whole replica (its health check fails), and every KV block and lease
+returns to zero."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import grpc
 import pytest
 
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
-from tests.e2e.test_tensor_parallel_serving import _cmdline, _ppid
+from tests.e2e.test_tensor_parallel_serving import follower_pids
 from tests.ray_fixtures import app_metadata, deploy, small_app_config, stub, wait_for_idle
 
 APP = "tprank"
@@ -25,11 +26,10 @@ STREAMS = 12
 MAX_TOKENS = 48
 
 
-def _decode_followers() -> list[int]:
-    """The rank-1 processes of the app's decode replicas (children of their actors)."""
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    replicas = {p for p in pids if f"ServeReplica:{APP}:Decode" in _cmdline(p)}
-    return sorted(p for p in pids if "spawn_main" in _cmdline(p) and _ppid(p) in replicas)
+def _decode_followers(ends) -> list[int]:
+    """The rank-1 processes of the app's decode replicas, as GetStats lists them."""
+    stats = stub(ends).GetStats(pb.GetStatsRequest(), metadata=app_metadata(APP))
+    return follower_pids([r for r in stats.replicas if r.pool == "decode"])
 
 
 @pytest.mark.slow
@@ -40,8 +40,10 @@ def test_a_decode_rank_killed_mid_stream_costs_no_request(ray_serve, tokenizer_m
     decode = replace(base.decode, tensor_parallel_size=2, replicas=2)
     deploy(replace(base, decode=decode), APP, f"/{APP}")
     try:
-        followers = _decode_followers()
-        assert len(followers) == 2, followers
+        deadline = time.monotonic() + 60
+        while len(followers := _decode_followers(ray_serve)) != 2:  # both replicas reported
+            assert time.monotonic() < deadline, followers
+            time.sleep(0.5)
         s = stub(ray_serve)
         cases = [tuple((17 * i + 3 * j) % 4000 + 50 for j in range(6 + 2 * i)) for i in range(12)]
         results: list[list[pb.GenerateResponse]] = [[] for _ in cases]
@@ -76,7 +78,7 @@ def test_a_decode_rank_killed_mid_stream_costs_no_request(ray_serve, tokenizer_m
         assert migrations >= 1  # the dead rank's replica was streaming some of them
         # Serve replaces the whole replica: two decode replicas of TP 2 again, nothing held.
         deadline = time.monotonic() + 120
-        while len(_decode_followers()) != 2 or followers[0] in _decode_followers():
+        while len(now := _decode_followers(ray_serve)) != 2 or followers[0] in now:
             assert time.monotonic() < deadline, "the replica with the dead rank was not replaced"
             time.sleep(0.5)
         replicas = wait_for_idle(ray_serve, APP, {"prefill", "decode"}, timeout=90.0)

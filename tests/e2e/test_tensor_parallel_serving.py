@@ -1,10 +1,11 @@
 """A colocated app whose replica spans 2 tensor-parallel ranks, end to end on a real local Ray:
 its deployment reserves a STRICT_PACK placement group of one bundle per rank, the replica's
-engine is rank 0 of a `TPReplica` whose other rank is a process of the replica's own, and
-concurrent greedy requests through the router equal transformers' `generate(do_sample=False)`
-on the same checkpoint. Afterwards no KV block is used, `GetStats` lists the replica's TP size
-and both ranks (rank 0 the replica's process, rank 1 its child, both alive, on the replica's
-node), and once the app is deleted no follower process is left."""
+engine is rank 0 of a `TPReplica` whose other rank is a Ray actor of its own in the second
+bundle (`BundleRanks`), and concurrent greedy requests through the router equal transformers'
+`generate(do_sample=False)` on the same checkpoint. Afterwards no KV block is used, `GetStats`
+lists the replica's TP size and both ranks (rank 0 the replica's process, rank 1 a `_TPRank`
+Ray worker, not its child, both alive, on the replica's node), and once the app is deleted no
+rank's process is left."""
 
 from __future__ import annotations
 
@@ -45,16 +46,15 @@ def _replicas() -> set[int]:
     return {p for p in pids if f"ServeReplica:{APP}:Colocated" in _cmdline(p)}
 
 
-def _followers() -> dict[int, int]:
-    """pid -> parent pid of every multiprocessing-spawned process of the app's replicas."""
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    replicas = _replicas()
-    return {p: _ppid(p) for p in pids if "spawn_main" in _cmdline(p) and _ppid(p) in replicas}
+def follower_pids(replicas: list[pb.ReplicaStats]) -> list[int]:
+    """The pids of ranks 1.. of `replicas`, as GetStats lists them."""
+    return sorted(r.pid for replica in replicas for r in replica.ranks if r.rank > 0)
 
 
-def _assert_ranks_placed(replica: pb.ReplicaStats, followers: dict[int, int]) -> None:
-    """GetStats' ranks: rank 0 the replica's actor, rank 1.. its children, alive, all on the
-    replica's node (the one local Ray node)."""
+def _assert_ranks_placed(replica: pb.ReplicaStats) -> None:
+    """GetStats' ranks: rank 0 the replica's actor, rank 1.. `_TPRank` actors of their own
+    (Ray workers, not the replica's children), alive, all on the replica's node (the one
+    local Ray node)."""
     import ray
 
     (node,) = [n for n in ray.nodes() if n["Alive"]]
@@ -64,8 +64,9 @@ def _assert_ranks_placed(replica: pb.ReplicaStats, followers: dict[int, int]) ->
     }
     leader, *rest = (r.pid for r in replica.ranks)
     assert leader in _replicas() and _alive(leader)
-    assert {p: followers.get(p) for p in rest} == dict.fromkeys(rest, leader)
-    assert all(_alive(p) for p in rest)
+    for pid in rest:
+        assert "ray::_TPRank" in _cmdline(pid) and _ppid(pid) != leader, _cmdline(pid)
+        assert _alive(pid)
 
 
 def _alive(pid: int) -> bool:
@@ -82,11 +83,11 @@ def test_colocated_tp2_serves_transformers_greedy_tokens(ray_serve, tokenizer_mo
 
     base = small_app_config(str(tokenizer_model_dir))
     pool = replace(base.decode, tensor_parallel_size=TP)
-    followers: dict[int, int] = {}
+    followers: list[int] = []
     deploy(replace(base, mode="colocated", decode=pool), APP, f"/{APP}")
     try:
-        followers = _followers()
-        assert len(followers) == TP - 1, followers  # the replica's own child processes
+        followers = follower_pids(wait_for_idle(ray_serve, APP, {"colocated"}))
+        assert len(followers) == TP - 1, followers
         s = stub(ray_serve)
         cases = [tuple((13 * i + 5 * j) % 4000 + 50 for j in range(4 + 7 * i)) for i in range(6)]
 
@@ -104,10 +105,11 @@ def test_colocated_tp2_serves_transformers_greedy_tokens(ray_serve, tokenizer_mo
         (replica,) = wait_for_idle(ray_serve, APP, {"colocated"})
         assert replica.kv_blocks_used == 0 and replica.running == 0
         assert replica.tensor_parallel_size == TP
-        _assert_ranks_placed(replica, followers)
+        _assert_ranks_placed(replica)
+        assert follower_pids([replica]) == followers
     finally:
         serve.delete(APP)
     deadline = time.monotonic() + 30
     while any(_alive(p) for p in followers) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in followers if _alive(p)], "a TP follower outlived its replica"
+    assert not [p for p in followers if _alive(p)], "a TP rank outlived its replica"

@@ -117,17 +117,17 @@ def test_a_cpu_tp_replica_reserves_one_bundle_per_rank_strictly_packed():
     assert options["ray_actor_options"]["num_gpus"] == 0.0
 
 
-def test_a_gpu_tp_replica_holds_every_ranks_gpu_in_its_first_bundle():
-    """The follower processes are the replica's children and see only the GPUs Ray granted
-    it; custom resources are the replica's, so they are in the first bundle only."""
+def test_a_gpu_tp_replica_reserves_a_gpu_in_every_ranks_bundle():
+    """Each rank is an actor of its own in its bundle (rank 0 the replica's), with one GPU;
+    custom resources are the replica's, so they are in the first bundle only."""
     pool = colocated(tensor_parallel_size=2, num_gpus=1, resources={"gpu_pool": 1}).decode
     options = deployment_options("Colocated", pool)
     assert options["placement_group_bundles"] == [
-        {"CPU": 1.0, "GPU": 2.0, "gpu_pool": 1.0},
-        {"CPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0, "gpu_pool": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
     ]
     actor = options["ray_actor_options"]
-    assert (actor["num_gpus"], actor["resources"]) == (2.0, {"gpu_pool": 1.0})
+    assert (actor["num_gpus"], actor["resources"]) == (1.0, {"gpu_pool": 1.0})
 
 
 @pytest.mark.parametrize("gpus", [0.0, 1])

@@ -96,7 +96,9 @@ def test_the_replicas_stats_carry_its_device_dtype_and_tp_size():
     replica.pool, replica.replica_id = "decode", "d0"
     replica.device, replica.dtype = "cuda", "bfloat16"
     replica.tensor_parallel_size = 2
-    replica.ranks = rank_places(SimpleNamespace(followers=[SimpleNamespace(pid=4242)]))
+    replica.ranks = rank_places(
+        SimpleNamespace(followers=[SimpleNamespace(pid=4242, node_id="", node_ip="")])
+    )
     figures = SimpleNamespace(**dict.fromkeys(_ENGINE_FIGURES, 0))
 
     async def call(fn):

@@ -1,14 +1,17 @@
 """Tensor parallelism on the CPU (gloo): what a TP 2 decode step spends in collectives beside
-TP 1, and what KV costs per prompt token between pools of each pair of TP sizes.
+TP 1, and what KV costs per prompt token between pools of each pair of TP sizes, per transport.
 
     python -m benchmarks.tp_bench [--preset tiny] [--batch 8] [--steps 40] [--prompt-len 512]
+        [--transports grpc,nixl]
 
 Steps: a TP 1 engine (2 torch threads) and a TP 2 replica (1 thread a rank) decode the same
 batch in alternating rounds; the TP 2 leader's all-reduce, all-gather and step-message time is
 timed inside its steps. KV: one prefill replica per TP size behind a KV server (and rank KV
 servers) and one decode replica per TP size; each pair's move of one prompt's KV into reserved
 blocks (`ShardedKVClient.fetch_into`) is timed, the pairs interleaved, P1 -> D1 (one whole
-FetchKV) the baseline.
+FetchKV, or one whole-pool NIXL READ) each transport's baseline. Each transport gets a harness of
+its own (grpc: head-sliced FetchKV; nixl: head-sliced READs, rank to rank), run one after the
+other.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--transports", default="grpc,nixl", help="comma-separated, grpc first")
     a = p.parse_args(argv)
+    transports = a.transports.split(",")
     path = model_dir(a)
     config = EngineConfig(
         ModelConfig(str(path)),
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> str:
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
     )
     steps = step_profile(config, a.batch, a.steps, a.rounds)
-    kv = asyncio.run(kv_costs(path, a.prompt_len, a.rounds))
+    kv = {t: asyncio.run(kv_costs(path, a.prompt_len, a.rounds, t)) for t in transports}
     lines = header("Tensor parallelism on the CPU", "tp_bench", argv)
     lines += [
         f"- `{a.preset}` preset, float32, batch {a.batch}, {a.steps} decode steps a round, "
@@ -62,10 +67,18 @@ def main(argv: list[str] | None = None) -> str:
         lines.append(
             f"| {name} share of the step (with the wait for the other rank) | - | {share:.1%} |"
         )
-    lines += ["", "| P -> D | µs per prompt token | vs P1 -> D1 |", "|---|---|---|"]
-    base = kv[(1, 1)]
+    cols = [f"{t} µs per prompt token | {t} vs its P1 -> D1" for t in transports]
+    if len(transports) > 1:
+        cols += [f"{t} vs {transports[0]}" for t in transports[1:]]
+    lines += [
+        "",
+        "| P -> D | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * (len(cols) + len(transports)),
+    ]
     for pair in PAIRS:
-        lines.append(f"| {pair[0]} -> {pair[1]} | {kv[pair]:.2f} | {kv[pair] / base:.2f}x |")
+        cells = [f"{kv[t][pair]:.2f} | {kv[t][pair] / kv[t][(1, 1)]:.2f}x" for t in transports]
+        cells += [f"{kv[t][pair] / kv[transports[0]][pair]:.2f}x" for t in transports[1:]]
+        lines.append(f"| {pair[0]} -> {pair[1]} | " + " | ".join(cells) + " |")
     return publish("\n".join(lines) + "\n", a.out)
 
 
@@ -122,15 +135,19 @@ def _decode_steps(engine: Engine, batch: int, steps: int, tag: str) -> float:
     return ms
 
 
-async def kv_costs(path, prompt_len: int, rounds: int) -> dict[tuple[int, int], float]:
-    """Per (prefill TP, decode TP): the median µs per prompt token of moving one prompt's KV."""
+async def kv_costs(
+    path, prompt_len: int, rounds: int, transport: str = "grpc", pairs_to_time=PAIRS
+) -> dict[tuple[int, int], float]:
+    """Per (prefill TP, decode TP): the median µs per prompt token of moving one prompt's KV
+    over `transport`."""
     with ExitStack() as stack:
         torch.set_num_threads(1)
-        async with tp_pairs(path, stack, num_blocks=4 * prompt_len // 16) as pairs:
+        blocks = 4 * prompt_len // 16
+        async with tp_pairs(path, stack, blocks, pairs_to_time, transport) as pairs:
             ids = tuple(i % 4000 for i in range(prompt_len))
-            spent: dict[tuple[int, int], list[float]] = {pair: [] for pair in PAIRS}
+            spent: dict[tuple[int, int], list[float]] = {pair: [] for pair in pairs_to_time}
             for r in range(rounds):
-                for pair in PAIRS:
+                for pair in pairs_to_time:
                     seconds = await pairs.move(pair, f"kv{r}-{pair}", ids)
                     spent[pair].append(seconds * 1e6 / prompt_len)
     return {pair: statistics.median(v) for pair, v in spent.items()}

@@ -6,7 +6,8 @@ baseline's, which every KV server serves, and the transport's own; `cluster.kv_t
 registry names them), and serves the RPCs every transport shares: `ReleaseKV` (the decode worker
 ends a lease), `CancelPrefill` (a router's, with a cancel token, ends a request by id wherever
 it is on this worker, `LeaseKeeper.cancel`) and `PinKV` (the KV server of one of this replica's
-tensor-parallel ranks pins a lease while it reads its own heads of it). Each sender checks a
+tensor-parallel ranks pins a lease while it reads its own heads of it; at most `max_pins` at
+once, RESOURCE_EXHAUSTED beyond: each is an open stream and a timer). Each sender checks a
 presented handle before anything is read (its token is genuine, UNAUTHENTICATED; the receiver's
 layout and the handle's equal ours, FAILED_PRECONDITION; the lease is live, NOT_FOUND) and pins
 the lease for the whole transfer through the `LeaseKeeper` (`LeasePins`), so its blocks can be
@@ -23,13 +24,18 @@ import grpc
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.kv_cache import KVLayout
-from cluster.errors import InvalidArgument, PdServeError, Unauthenticated
+from cluster.errors import InvalidArgument, PdServeError, ResourceExhausted, Unauthenticated
 from cluster.kv_transfer.kv_wire import HEADER_SLACK, MAX_REQUEST_BYTES
 from cluster.kv_transfer.lease_pins import SERVICE, SenderParts, abort, generated_handlers
 from cluster.kv_transfer.transport_factory import make_senders
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
 from cluster.pb.pdserve.v1.kv_transfer_pb2_grpc import KVTransferServicer
 from prefill_worker.lease_keeper import LeaseKeeper
+
+# PinKV holds served at once. A TP k replica's ranks 1.. hold one per read in flight (a TP 4
+# prefill replica read by 64 decode ranks at once: 192), so this is far above any real load
+# and still bounds what a misbehaving caller can keep open.
+MAX_PINS = 1024
 
 
 class KVServer(KVTransferServicer):
@@ -47,14 +53,16 @@ class KVServer(KVTransferServicer):
         channel_timeout_s: float = 30.0,
         channel_idle_s: float = 60.0,
         max_channels: int = 256,
+        max_pins: int = MAX_PINS,
     ) -> None:
         """`read_batch_bytes` bounds the KV copied out of the pool per read of a chunked
         transfer; `channel_timeout_s`, `channel_idle_s` and `max_channels` bound a transport's
-        direct channels and holds (`SenderParts`). InvalidArgument if this process cannot
+        direct channels and holds (`SenderParts`); `max_pins` the `PinKV` holds served at once.
+        InvalidArgument if this process cannot
         serve `transport`; where it is registered but not usable here, the server serves the
         baseline, and `transport` says so."""
-        if channel_timeout_s <= 0 or max_channels <= 0:
-            raise InvalidArgument("channel_timeout_s and max_channels must be positive")
+        if channel_timeout_s <= 0 or max_channels <= 0 or max_pins <= 0:
+            raise InvalidArgument("channel_timeout_s, max_channels and max_pins must be positive")
         parts = SenderParts(
             async_engine,
             lease_keeper,
@@ -75,6 +83,8 @@ class KVServer(KVTransferServicer):
         self.port = port
         self.max_chunk_bytes = max_chunk_bytes
         self.pin_timeout_s = channel_timeout_s
+        self.max_pins = max_pins
+        self.pins = 0  # PinKV holds open now
         self.endpoint: str | None = None
         self._server: grpc.aio.Server | None = None
 
@@ -146,11 +156,18 @@ class KVServer(KVTransferServicer):
         try:
             if not rid:
                 raise InvalidArgument("PinKV needs a request_id", param="request_id")
+            if self.pins >= self.max_pins:
+                raise ResourceExhausted(
+                    f"this KV server holds {self.pins} PinKV pins, its limit (max_pins); "
+                    "retry once some end"
+                )
             block_ids, num_tokens = await self.leases.begin_fetch(rid, request.capability_token)
         except PdServeError as exc:
             await abort(context, exc)
+        self.pins += 1
         try:
             yield pb.KVPinned(block_ids=block_ids, num_tokens=num_tokens)
             await asyncio.sleep(self.pin_timeout_s)  # until the caller ends the call, or this
         finally:
+            self.pins -= 1
             self.leases.end_fetch(rid)

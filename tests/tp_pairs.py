@@ -1,8 +1,10 @@
 """Prefill and decode replicas of several tensor-parallel sizes in one process, on the path the
 workers take: per prefill TP size a replica (rank 0 here, ranks 1.. processes of their own with
 their KV servers, `RankService`) behind a real `KVServer` and `LeaseKeeper`; per decode TP size a
-replica with the `ShardedKVClient` a decode worker builds. The harness of the TP KV tests and of
-`benchmarks.tp_bench`. On leaving, every lease must have ended and every block be free."""
+replica with the `ShardedKVClient` a decode worker builds (`make_decode_client`), all for one
+`transport` (grpc, or nixl: every rank also serves and READs with its own NIXL agent). The
+harness of the TP KV tests and of `benchmarks.tp_bench`. On leaving, every lease must have ended
+and every block be free."""
 
 from __future__ import annotations
 
@@ -10,15 +12,17 @@ import time
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+import torch
+
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TransferConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import Engine
 from cluster.engine.tp_replica import TPReplica
 from cluster.kv_transfer.capability import Capability
-from cluster.kv_transfer.grpc.grpc_kv_client import GrpcKVClient
 from cluster.kv_transfer.grpc.rank_server import RankService
 from cluster.kv_transfer.grpc.tp_ranks import ShardedKVClient
 from cluster.kv_transfer.kv_handle import KVHandle
+from cluster.kv_transfer.transport_factory import make_decode_client
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 from prefill_worker.kv_server import KVServer
@@ -37,6 +41,8 @@ class TPPairs:
     endpoints: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
     decode: dict[int, AsyncEngine] = field(default_factory=dict)
     client: dict[int, ShardedKVClient] = field(default_factory=dict)
+    servers: dict[int, KVServer] = field(default_factory=dict)  # by prefill TP size
+    transport: str = "grpc"  # what the prefill KV servers' handles name
 
     async def handle(self, k: int, rid: str, ids, max_tokens: int = 8) -> KVHandle:
         """Prefill `ids` on the TP `k` prefill replica; the lease's handle."""
@@ -49,7 +55,7 @@ class TPPairs:
             request_id=rid,
             num_tokens=num_tokens,
             endpoint=endpoint,
-            transport="grpc",
+            transport=self.transport,
             block_ids=tuple(block_ids),
             block_size=BLOCK_SIZE,
             layout=self.prefill[k].layout,
@@ -97,45 +103,66 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _engine(config: EngineConfig, tp: int, secret: bytes, stack: ExitStack):
+def _engine(config: EngineConfig, tp: int, secret: bytes, stack: ExitStack, transport: str):
     if tp == 1:
         return Engine(config), None
-    service = RankService("127.0.0.1", SECRET, secret, CHUNK, 30.0)
+    service = RankService("127.0.0.1", SECRET, secret, CHUNK, 30.0, transport)
     replica = stack.enter_context(TPReplica(config, tp, rank_service=service))
     return replica.engine, replica
 
 
 @asynccontextmanager
-async def tp_pairs(path, stack: ExitStack, num_blocks: int = 128, pairs=PAIRS):
-    """`TPPairs` for `pairs` on the checkpoint at `path`; `stack` closes the TP replicas."""
+async def tp_pairs(
+    path, stack: ExitStack, num_blocks: int = 128, pairs=PAIRS, transport="grpc", max_pins=None
+):
+    """`TPPairs` for `pairs` on the checkpoint at `path`, every KV server and rank serving
+    `transport` (and gRPC) and every decode replica's client built for it as the decode worker
+    builds it; `max_pins` bounds the prefill KV servers' `PinKV` holds (their default if None);
+    `stack` closes the TP replicas."""
+    transfer = TransferConfig(
+        transport=transport, max_chunk_bytes=CHUNK, fetch_timeout_seconds=30.0, secret=SECRET
+    )
     config = EngineConfig(
         ModelConfig(str(path)),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         SchedulerConfig(max_num_batched_tokens=4096),
     )
-    p = TPPairs()
+    p = TPPairs(transport=transport)
     servers = []
     try:
         for k in sorted({k for k, _ in pairs}):
-            engine, replica = _engine(config, k, b"p", stack)
+            engine, replica = _engine(config, k, b"p", stack, transport)
             p.prefill[k] = AsyncEngine(engine)
             p.prefill[k].start()
             p.leases[k] = LeaseKeeper(p.prefill[k], 30.0, Capability(bytes.fromhex(SECRET)))
-            server = KVServer(p.prefill[k], p.leases[k], engine.layout, "127.0.0.1", 0, CHUNK)
+            limits = {"max_pins": max_pins} if max_pins else {}
+            server = KVServer(
+                p.prefill[k],
+                p.leases[k],
+                engine.layout,
+                "127.0.0.1",
+                0,
+                CHUNK,
+                transport=transport,
+                **limits,
+            )
+            p.servers[k] = server
+            assert server.transport == transport, f"this KV server cannot serve {transport}"
             servers.append(server)
             endpoint = await server.start()
             if replica is not None:
                 replica.publish_leader(endpoint)
             p.endpoints[k] = (endpoint, replica.rank_endpoints if replica else ())
         for m in sorted({m for _, m in pairs}):
-            engine, replica = _engine(config, m, b"d", stack)
+            engine, replica = _engine(config, m, b"d", stack, transport)
             engine.imports_every_rank = True
             p.decode[m] = AsyncEngine(engine)
             p.decode[m].start()
-            blocks = engine.kv_cache.num_blocks
-            inner, slices = (GrpcKVClient(CHUNK, 30.0, max_blocks=blocks) for _ in range(2))
             ranks = replica.rank_endpoints if replica else ()
-            p.client[m] = ShardedKVClient(inner, slices, ranks, b"d")
+            pool = p.decode[m].kv_pool
+            client = make_decode_client(transfer, torch.device("cpu"), pool, ranks, b"d")
+            assert isinstance(client, ShardedKVClient)
+            p.client[m] = client
         yield p
         for k, leases in p.leases.items():
             assert await leases.drain(5.0), f"a lease of the TP {k} prefill was never freed"

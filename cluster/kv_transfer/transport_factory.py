@@ -52,21 +52,35 @@ def make_decode_client(
     ranks: tuple[str, ...] = (),
     replica_secret: bytes = b"",
 ):
-    """A decode replica's client: `make_kv_client`'s for KV laid out as its pool is, and the
-    baseline's head-sliced fetches for KV of a prefill pool of another tensor-parallel size,
-    into this rank's pool and, through `ImportKV`, into those of its ranks 1.. (`ranks`, their
-    KV servers, which take `replica_secret`)."""
+    """A decode replica's client: `make_kv_client`'s for KV laid out as its pool is, and
+    head-sliced moves for KV of a prefill pool of another tensor-parallel size, into this rank's
+    pool and, through `ImportKV`, into those of its ranks 1.. (`ranks`, their KV servers, which
+    take `replica_secret`): the transport's own (`make_heads`: nixl's READs) where it has them
+    and can run here, else the baseline's head-sliced fetches."""
     inner = make_kv_client(transfer, device, pool.num_blocks, pool)
     control = KVControl(
         transfer.max_chunk_bytes, transfer.fetch_timeout_seconds, transfer.channel_idle_seconds
     )
     parts = ClientParts(transfer, device, pool.num_blocks, pool, control)
     baseline = registry.package(registry.BASELINE)
-    return baseline.make_sharded_client(inner, parts, ranks, replica_secret)
+    make_heads = None
+    if transfer.transport != registry.BASELINE:
+        make_heads = getattr(registry.package(transfer.transport), "make_heads", None)
+
+    def own_heads(grpc_heads):
+        try:
+            return make_heads(parts, grpc_heads)
+        except Unavailable as exc:
+            log.warning("TP KV moves fall back to %s: %s", registry.BASELINE, exc.message)
+            return grpc_heads
+
+    own = own_heads if make_heads is not None else None
+    return baseline.make_sharded_client(inner, parts, ranks, replica_secret, own)
 
 
 def make_rank_service(transfer: TransferConfig, host: str, replica_secret: bytes):
-    """What the ranks 1.. of a tensor-parallel replica serve their KV heads with."""
+    """What the ranks 1.. of a tensor-parallel replica serve their KV heads with: the baseline's
+    rank server, which also serves `transfer.transport`'s rank parts where it has them."""
     return registry.package(registry.BASELINE).make_rank_service(transfer, host, replica_secret)
 
 

@@ -1,7 +1,9 @@
 """A disaggregated app whose pools have different tensor-parallel sizes, end to end on a real
-local Ray: prefill TP 2 -> decode TP 1 and prefill TP 1 -> decode TP 2. Each decode rank gets
-its KV heads from the prefill ranks that hold them (head-sliced FetchKV from every rank's own KV
-server; `cluster.kv_transfer.grpc.tp_ranks`); 16 concurrent greedy requests through Serve's
+local Ray: prefill TP 2 -> decode TP 1 and prefill TP 1 -> decode TP 2, over each of the two
+transports that move KV between TP sizes. Each decode rank gets its KV heads from the prefill
+ranks that hold them: over grpc, head-sliced FetchKV from every rank's own KV server
+(`cluster.kv_transfer.grpc.tp_ranks`); over nixl, head-sliced READs from every rank's own NIXL
+agent (`cluster.kv_transfer.nixl.nixl_ranks`). 16 concurrent greedy requests through Serve's
 proxy equal transformers, and afterwards no KV block is used or leased on either pool."""
 
 from __future__ import annotations
@@ -19,18 +21,20 @@ REQUESTS = 16
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
 def test_kv_moves_between_tp_sizes_and_output_equals_transformers(
-    ray_serve, tokenizer_model_dir, hf, prefill_tp, decode_tp
+    ray_serve, tokenizer_model_dir, hf, prefill_tp, decode_tp, transport
 ):
     from ray import serve
 
-    app = f"tp{prefill_tp}{decode_tp}"
+    app = f"tp{prefill_tp}{decode_tp}{transport}"
     base = small_app_config(str(tokenizer_model_dir))
     config = replace(
         base,
         prefill=replace(base.prefill, tensor_parallel_size=prefill_tp),
         decode=replace(base.decode, tensor_parallel_size=decode_tp),
+        transfer=replace(base.transfer, transport=transport),
     )
     deploy(config, app, f"/{app}")
     try:
@@ -50,6 +54,8 @@ def test_kv_moves_between_tp_sizes_and_output_equals_transformers(
             got = [t for m in msgs for t in m.token_ids]
             hf.assert_greedy(tokenizer_model_dir, ids, got, NEW_TOKENS)
             assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        stats = s.GetStats(pb.GetStatsRequest(), metadata=app_metadata(app))
+        assert stats.kv_transport == transport
         replicas = wait_for_idle(ray_serve, app, {"prefill", "decode"})
         sizes = {r.pool: r.tensor_parallel_size for r in replicas}
         assert sizes == {"prefill": prefill_tp, "decode": decode_tp}

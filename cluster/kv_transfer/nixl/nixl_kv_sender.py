@@ -1,7 +1,9 @@
 """`NixlKVSender`: the prefill side of the `nixl` KV transport (contract: `KVSender`): the
 ConnectNixl and HoldKV RPCs. ConnectNixl checks the handle (token, a live lease, layouts), then
 `describe`s the pool to the reader agent the request names; HoldKV checks and pins the lease
-(`lease_pins.pin`) and `hold`s it, for a reader that holds access.
+(`lease_pins.pin_slice`) and `hold`s it, for a reader that holds access. The reader's layout
+may name a head slice of this pool (a decode rank of another tensor-parallel size, which READs
+only those heads: `nixl_ranks`).
 
 At start it registers the engine's whole KV pool with a NIXL agent (`NixlPool`). It never sends
 anything itself: `describe` hands a decode worker the agent's metadata and the pool's geometry,
@@ -24,18 +26,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
+from cluster.engine.kv_cache import KVLayout
 from cluster.errors import InvalidArgument, PdServeError
 from cluster.kv_transfer.base import KVSender
-from cluster.kv_transfer.kv_handle import layout_from_proto
+from cluster.kv_transfer.kv_handle import KVHandle, layout_from_proto
 from cluster.kv_transfer.lease_pins import (
     SenderParts,
     abort,
     check_live,
     generated_handlers,
-    pin,
+    pin_slice,
 )
 from cluster.kv_transfer.nixl.nixl_pool import NixlPool
 from cluster.pb.pdserve.v1 import kv_transfer_pb2 as pb
@@ -73,8 +77,7 @@ class NixlKVSender(KVSender, KVTransferServicer):
             handle = await check_live(self.parts, request.handle)
             if not request.HasField("receiver_layout"):
                 raise InvalidArgument("ConnectNixl needs receiver_layout")
-            self.parts.layout.check_matches(layout_from_proto(request.receiver_layout))
-            self.parts.layout.check_matches(handle.layout)
+            check_heads(self.parts.layout, layout_from_proto(request.receiver_layout), handle)
             self.access.grant(reader, handle.request_id)
             return self.describe()
         except PdServeError as exc:
@@ -85,7 +88,7 @@ class NixlKVSender(KVSender, KVTransferServicer):
     ) -> AsyncIterator[pb.KVHeld]:
         try:
             reader = reader_agent(request)
-            rid, _ = await pin(self.parts, request)
+            rid, _, _ = await pin_slice(self.parts, request)
         except PdServeError as exc:
             await abort(context, exc)
         try:
@@ -167,6 +170,17 @@ class ReaderAccess:
             if not leases:
                 del self.readers[reader]
                 self.dropped += 1
+
+
+def check_heads(ours: KVLayout, receiver: KVLayout, handle: KVHandle) -> None:
+    """FailedPrecondition unless `receiver` is a head slice of our pool (all of it, between
+    pools of one TP size; `KVLayout.check_serves`) and `handle` is of our replica's model at our
+    TP size, as `pin_slice` checks a hold's."""
+    ours.check_serves(receiver)
+    whole = replace(ours, kv_head_start=0, num_kv_heads=ours.total_kv_heads)
+    whole.check_matches(
+        replace(handle.layout, kv_head_start=0, num_kv_heads=handle.layout.total_kv_heads)
+    )
 
 
 def reader_agent(request) -> str:

@@ -223,7 +223,7 @@ class NixlPool:
         except Exception as exc:  # NIXL's own errors: the peer is gone or refuses
             raise Unavailable(f"NIXL read from {peer.name} not posted: {exc!r}") from None
         try:
-            self._wait(handle, peer.name, timeout_s)
+            self.wait(handle, peer.name, timeout_s)
             if not self.telemetry:
                 return len(local)
             return int(self.agent.get_xfer_telemetry(handle).descCount)
@@ -233,7 +233,7 @@ class NixlPool:
             except Exception as exc:  # a transfer to a dead peer may refuse its release
                 log.warning("NIXL transfer handle not released: %r", exc)
 
-    def _wait(self, handle: Any, peer_name: str, timeout_s: float) -> None:
+    def wait(self, handle: Any, peer_name: str, timeout_s: float) -> None:
         """Post the READ and wait for it. A peer that died mid-way makes NIXL raise its own
         error (nixlRemoteDisconnectError): Unavailable, so the request is prefilled again."""
         deadline = time.monotonic() + timeout_s

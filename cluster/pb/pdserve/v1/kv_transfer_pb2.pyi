@@ -233,7 +233,9 @@ class ImportKVRequest(_message.Message):
     def __init__(self, handle: _Optional[_Union[KVHandle, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., replica_secret: _Optional[bytes] = ...) -> None: ...
 
 class ImportKVResponse(_message.Message):
-    __slots__ = ("nbytes",)
+    __slots__ = ("nbytes", "nixl_bytes")
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NIXL_BYTES_FIELD_NUMBER: _ClassVar[int]
     nbytes: int
-    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+    nixl_bytes: int
+    def __init__(self, nbytes: _Optional[int] = ..., nixl_bytes: _Optional[int] = ...) -> None: ...

@@ -163,6 +163,10 @@ class KVTransferServicer:
         layout or a server that does not serve "nixl"). The reader keeps access while any lease it
         connected or held with is live; when its last one ends (fetched, cancelled, aborted,
         expired) the pair is dropped: `HoldKV` refuses it (ABORTED) until it connects again.
+        Between tensor-parallel groups of different sizes `receiver_layout` (here and in `HoldKV`)
+        names the head slice of this server's pool that a decode rank READs, and the KV server of
+        each prefill rank 1.. serves both for its own pool, pinning the lease on rank 0 (`PinKV`);
+        there access lasts the server's channel idle time from the last call instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -50,13 +50,21 @@ def registry_name(app_name: str) -> tuple[str, str]:
     return f"pdserve-stats-{app_name}", "pdserve"
 
 
-def registry(app_name: str):
-    """The application's registry actor, created by whoever asks first."""
+def registry(app_name: str, attempts: int = 20):
+    """The application's registry actor, created by whoever asks first. Replicas starting
+    together race to create it: Ray can then answer a loser "Failed to look up actor" while
+    the winner's is still being registered, so that is retried (for about 2 s)."""
     name, namespace = registry_name(app_name)
-    return StatsRegistry.options(
-        name=name,
-        namespace=namespace,
-        get_if_exists=True,
-        lifetime="detached",
-        resources={HEAD_NODE_RESOURCE: 0.001},
-    ).remote()
+    for attempt in range(attempts):
+        try:
+            return StatsRegistry.options(
+                name=name,
+                namespace=namespace,
+                get_if_exists=True,
+                lifetime="detached",
+                resources={HEAD_NODE_RESOURCE: 0.001},
+            ).remote()
+        except ValueError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1)

@@ -50,7 +50,9 @@ class _Leader:
         from cluster.request import Request
         from cluster.sampling_params import SamplingParams
 
-        self.replica.followers[0].terminate()
+        rank = self.replica.followers[0]
+        rank.terminate()
+        _gone(rank.pid)  # Ray kills the actor's worker asynchronously: step once it is dead
         engine = self.replica.engine
         engine.add_request(Request("after", prompt_ids(5), SamplingParams(max_tokens=2)))
         start = time.monotonic()

@@ -213,6 +213,51 @@ def _wait_for_pool(cluster, app: str, deployment: str, n: int, timeout: float = 
         time.sleep(2.0)
 
 
+def _kill_busiest_node_under_load(cluster, pool: str, cases, ready_after: int, watch_s: float):
+    """Send `cases` to the PD app and, once the client says it is ready, kill every process of
+    the node whose `pool` replica is busiest, while `GetStats` is polled every 0.5 s. Returns
+    (the victim, the replica hosts, the results); the client must succeed and every poll of
+    `GetStats` be OK."""
+    hosts = _replica_hosts(cluster, PD)
+    watch = cluster.client_popen("watch", app=PD, seconds=watch_s, interval=0.5)
+    client = cluster.client_popen(
+        "generate", app=PD, cases=cases, ready_after=ready_after, name_busiest=pool, timeout=240
+    )
+    try:
+        ready, busiest = (client.stdout.readline().split() + ["", ""])[:2]
+        assert ready == "READY" and busiest in hosts, (ready, busiest, client.stderr.read()[-3000:])
+        victim = hosts[busiest]
+        assert cluster.lab.kill_all(victim)
+        out, err = client.communicate(timeout=300)
+    finally:
+        client.kill()
+    assert client.returncode == 0, err[-3000:]
+    w_out, w_err = watch.communicate(timeout=120)
+    assert watch.returncode == 0, w_err[-3000:]
+    seen = json.loads(w_out.strip().splitlines()[-1])
+    assert seen and all(s["code"] == "OK" for s in seen), [s for s in seen if s["code"] != "OK"]
+    return victim, hosts, json.loads(out.strip().splitlines()[-1])
+
+
+def _rejoin_and_settle(cluster, victim: str, deployment: str) -> None:
+    """Start `victim` again: both apps' `deployment` pools are back (2 and 1 replicas), no KV
+    block is used or leased, and GetStats lists exactly the running replicas once the dead
+    ones' entries have aged out."""
+    cluster.start(victim)
+    cluster.wait_for_nodes(list(NODE_TYPES))
+    _wait_for_pool(cluster, PD, deployment, 2)
+    _wait_for_pool(cluster, GRPC, deployment, 1)
+    deadline = time.monotonic() + 60
+    while True:  # the dead replicas' entries age out of the registry
+        stats = _wait_for_idle(cluster, PD)
+        listed = {r["replica_id"] for r in stats["replicas"]}
+        if listed == set(_replica_hosts(cluster, PD)):
+            break
+        assert time.monotonic() < deadline, (listed, _replica_hosts(cluster, PD))
+        time.sleep(2.0)
+    _wait_for_idle(cluster, GRPC)
+
+
 def test_a_decode_node_lost_mid_stream_costs_no_request_and_stats_keep_answering(
     cluster, tokenizer_model_dir, hf
 ):
@@ -224,40 +269,10 @@ def test_a_decode_node_lost_mid_stream_costs_no_request_and_stats_keep_answering
     replicas."""
     cases = _cases(12, seed=5, max_tokens=400)
     _wait_for_pool(cluster, PD, "Decode", 2)
-    hosts = _replica_hosts(cluster, PD)
-    watch = cluster.client_popen("watch", app=PD, seconds=45, interval=0.5)
-    client = cluster.client_popen(
-        "generate", app=PD, cases=cases, ready_after=3, name_busiest="decode", timeout=240
-    )
-    try:
-        ready, busiest = (client.stdout.readline().split() + ["", ""])[:2]
-        assert ready == "READY" and busiest in hosts, (ready, busiest, client.stderr.read()[-3000:])
-        victim = hosts[busiest]
-        assert cluster.lab.kill_all(victim)
-        out, err = client.communicate(timeout=300)
-    finally:
-        client.kill()
-    assert client.returncode == 0, err[-3000:]
-    results = json.loads(out.strip().splitlines()[-1])
+    victim, _, results = _kill_busiest_node_under_load(cluster, "decode", cases, 3, 45)
     _check_greedy(results, cases, hf, tokenizer_model_dir)
     assert sum(r["timing"].get("migrations", 0) for r in results) >= 1
-    w_out, w_err = watch.communicate(timeout=120)
-    assert watch.returncode == 0, w_err[-3000:]
-    seen = json.loads(w_out.strip().splitlines()[-1])
-    assert seen and all(s["code"] == "OK" for s in seen), [s for s in seen if s["code"] != "OK"]
-    cluster.start(victim)
-    cluster.wait_for_nodes(list(NODE_TYPES))
-    _wait_for_pool(cluster, PD, "Decode", 2)
-    _wait_for_pool(cluster, GRPC, "Decode", 1)
-    deadline = time.monotonic() + 60
-    while True:  # the dead replicas' entries age out of the registry
-        stats = _wait_for_idle(cluster, PD)
-        listed = {r["replica_id"] for r in stats["replicas"]}
-        if listed == set(_replica_hosts(cluster, PD)):
-            break
-        assert time.monotonic() < deadline, (listed, _replica_hosts(cluster, PD))
-        time.sleep(2.0)
-    _wait_for_idle(cluster, GRPC)
+    _rejoin_and_settle(cluster, victim, "Decode")
 
 
 def test_a_prefill_node_lost_mid_load_costs_no_request_and_stats_keep_answering(
@@ -270,38 +285,8 @@ def test_a_prefill_node_lost_mid_load_costs_no_request_and_stats_keep_answering(
     no KV block is used or leased, and GetStats lists exactly the running replicas."""
     cases = [((ids * (900 // len(ids) + 1))[:900], 8) for ids, _ in _cases(16, seed=9)]
     _wait_for_pool(cluster, PD, "Prefill", 2)
-    hosts = _replica_hosts(cluster, PD)
-    watch = cluster.client_popen("watch", app=PD, seconds=30, interval=0.5)
-    client = cluster.client_popen(
-        "generate", app=PD, cases=cases, ready_after=0, name_busiest="prefill", timeout=240
-    )
-    try:
-        ready, busiest = (client.stdout.readline().split() + ["", ""])[:2]
-        assert ready == "READY" and busiest in hosts, (ready, busiest, client.stderr.read()[-3000:])
-        victim = hosts[busiest]
-        assert cluster.lab.kill_all(victim)
-        out, err = client.communicate(timeout=300)
-    finally:
-        client.kill()
-    assert client.returncode == 0, err[-3000:]
-    results = json.loads(out.strip().splitlines()[-1])
+    victim, hosts, results = _kill_busiest_node_under_load(cluster, "prefill", cases, 0, 30)
     _check_greedy(results, cases, hf, tokenizer_model_dir)
     by = [hosts.get(r["timing"]["prefill_replica"], "new") for r in results]
     print(f"\nprefill node {victim} lost; prefilled on:", {h: by.count(h) for h in set(by)})
-    w_out, w_err = watch.communicate(timeout=120)
-    assert watch.returncode == 0, w_err[-3000:]
-    seen = json.loads(w_out.strip().splitlines()[-1])
-    assert seen and all(s["code"] == "OK" for s in seen), [s for s in seen if s["code"] != "OK"]
-    cluster.start(victim)
-    cluster.wait_for_nodes(list(NODE_TYPES))
-    _wait_for_pool(cluster, PD, "Prefill", 2)
-    _wait_for_pool(cluster, GRPC, "Prefill", 1)
-    deadline = time.monotonic() + 60
-    while True:  # the dead replicas' entries age out of the registry
-        stats = _wait_for_idle(cluster, PD)
-        listed = {r["replica_id"] for r in stats["replicas"]}
-        if listed == set(_replica_hosts(cluster, PD)):
-            break
-        assert time.monotonic() < deadline, (listed, _replica_hosts(cluster, PD))
-        time.sleep(2.0)
-    _wait_for_idle(cluster, GRPC)
+    _rejoin_and_settle(cluster, victim, "Prefill")
